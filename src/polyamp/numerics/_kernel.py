@@ -1,0 +1,91 @@
+"""The compiled quantize kernel: the algorithm of ``rounding.py``, one element at a time.
+
+Written so LLVM can vectorise it: float64 arithmetic on exact values, the spacing ``q`` built from
+exponent bits (a bitcast, no libm call), selects instead of branches, and the stochastic bits from
+a counter-based hash, so each thread's share of the array needs no shared generator state.
+Importing this module imports numba; ``rounding.py`` does so only on first use.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S11, _S52 = (np.uint64(s) for s in (30, 27, 31, 11, 52))
+_ABS = np.uint64(0x7FFFFFFFFFFFFFFF)
+
+
+@intrinsic
+def _bits(typingctx, x):
+    """float64 -> its uint64 bit pattern."""
+    return types.uint64(types.float64), lambda ctx, b, sig, args: b.bitcast(args[0], ir.IntType(64))
+
+
+@intrinsic
+def _float(typingctx, u):
+    """uint64 bit pattern -> float64."""
+    return types.float64(types.uint64), lambda ctx, b, sig, args: b.bitcast(
+        args[0], ir.DoubleType()
+    )
+
+
+@nb.njit(inline="always")
+def _uniform(key, i):
+    z = key + np.uint64(i + 1) * _GOLDEN
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    z = z ^ (z >> _S31)
+    return np.float64(z >> _S11) * 2.0**-53
+
+
+@nb.njit(inline="always")
+def _element(v, i, mbits, emin_b, emaxp1_b, maxval, overflow, mode, pos_zero, key):
+    a = abs(v)
+    field = _bits(a) >> _S52
+    e = min(max(field, emin_b), emaxp1_b)  # biased float64 exponent of a, clamped to the format
+    q = _float((e - mbits) << _S52)
+    t = a * _float((np.uint64(2046) + mbits - e) << _S52)
+    n = np.rint(t)
+    if mode == 0:
+        r = n
+    elif mode == 2:
+        r = np.floor(t)
+    else:
+        f = np.floor(t)
+        r = f + (1.0 if _uniform(key, i) < t - f else 0.0)
+    r = r * q
+    if r > maxval:
+        r = maxval if (mode == 2 or n * q <= maxval) else overflow
+    if a == np.inf:
+        r = overflow
+    r = np.copysign(r, v)
+    if pos_zero and r == 0.0:
+        r = 0.0
+    return r
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def quantize_kernel(x, out, mbits, emin, emax, maxval, overflow, mode, pos_zero, key):
+    """out[i] = round(x[i]) onto the format; x and out are 1-D float32 or float64 arrays."""
+    m = np.uint64(mbits)
+    emin_b = np.uint64(emin + 1023)
+    emaxp1_b = np.uint64(emax + 1 + 1023)
+    # One loop per mode so that each compiles without the others' branches.
+    if mode == 0:
+        for i in nb.prange(x.size):
+            out[i] = _element(np.float64(x[i]), i, m, emin_b, emaxp1_b, maxval, overflow, 0,
+                              pos_zero, key)  # fmt: skip
+    elif mode == 2:
+        for i in nb.prange(x.size):
+            out[i] = _element(np.float64(x[i]), i, m, emin_b, emaxp1_b, maxval, overflow, 2,
+                              pos_zero, key)  # fmt: skip
+    else:
+        for i in nb.prange(x.size):
+            out[i] = _element(np.float64(x[i]), i, m, emin_b, emaxp1_b, maxval, overflow, 1,
+                              pos_zero, key)  # fmt: skip

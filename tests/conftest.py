@@ -1,0 +1,37 @@
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import settings
+
+settings.register_profile("polyamp", max_examples=300, deadline=None)
+settings.load_profile("polyamp")
+
+# polyamp format name -> the ml_dtypes (or numpy) type with the same semantics, for cross-checks.
+ML_DTYPES = {
+    "fp32": np.float32,
+    "fp16": np.float16,
+    "bf16": ml_dtypes.bfloat16,
+    "e4m3fn": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "e2m3fn": ml_dtypes.float6_e2m3fn,
+    "e3m2fn": ml_dtypes.float6_e3m2fn,
+    "e2m1fn": ml_dtypes.float4_e2m1fn,
+    "e8m0fnu": ml_dtypes.float8_e8m0fnu,
+}
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def implementation(request, monkeypatch):
+    """Run a test against the compiled kernel and against the numpy path."""
+    from polyamp.numerics import rounding
+
+    if request.param == "numpy":
+        monkeypatch.setenv("POLYAMP_NO_NUMBA", "1")
+    rounding._kernel.cache_clear()
+    if request.param == "numba" and rounding.backend() != "numba":
+        pytest.fail("numba is installed by the Makefile but the compiled kernel did not load")
+    yield request.param
+    monkeypatch.delenv("POLYAMP_NO_NUMBA", raising=False)
+    rounding._kernel.cache_clear()

@@ -1,0 +1,35 @@
+"""``import polyamp`` pulls in no framework, and every framework this run covers is importable."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet", "keras")
+
+
+def test_import_polyamp_imports_no_framework():
+    code = (
+        "import sys, polyamp, polyamp.numerics;"
+        "polyamp.quantize([1.0], 'e4m3fn');"
+        f"print(','.join(m for m in {FRAMEWORKS!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def requested_frameworks():
+    names = os.environ.get("POLYAMP_TEST_FRAMEWORKS", "")
+    return [n for n in names.split(",") if n]
+
+
+@pytest.mark.parametrize("name", requested_frameworks() or ["(none requested)"])
+def test_requested_frameworks_are_installed(name):
+    """A framework the run was asked to cover must import: a failure, never a skip."""
+    if name == "(none requested)":
+        assert "POLYAMP_TEST_FRAMEWORKS" not in os.environ or not requested_frameworks()
+        return
+    module = importlib.import_module(name)
+    assert module.__name__ == name
