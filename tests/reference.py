@@ -35,9 +35,7 @@ def round_exact(x: float, fmt: FloatFormat, rounding: str = "nearest", saturate:
     """Round the exact value of ``x``; ``up`` decides a stochastic choice (True: take hi)."""
     if math.isnan(x):
         return math.nan
-    overflow = (
-        fmt.max if (saturate or fmt.saturates_always) else (math.inf if fmt.has_inf else math.nan)
-    )
+    overflow = fmt.max if (saturate or fmt.saturates_always) else (math.inf if fmt.has_inf else math.nan)
     sign = -1.0 if math.copysign(1.0, x) < 0 else 1.0
     if (not fmt.signed and sign < 0) or (not fmt.has_zero and x == 0):
         return math.nan

@@ -38,9 +38,7 @@ def test_cast_json(capsys):
     assert rows["e4m3fn"]["bits"] == "0 1101 001"
     assert rows["fp16"]["rounded"] == 68.0 and rows["fp16"]["status"] == "rounded"
     assert rows["e2m1fn"]["rounded"] == 6.0 and rows["e2m1fn"]["status"] == "saturated"
-    assert (
-        abs(rows["e4m3fn"]["relative_error"] - (72 - 68.00000356923152) / 68.00000356923152) < 1e-15
-    )
+    assert abs(rows["e4m3fn"]["relative_error"] - (72 - 68.00000356923152) / 68.00000356923152) < 1e-15
 
 
 @pytest.mark.parametrize(

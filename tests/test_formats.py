@@ -55,9 +55,7 @@ def test_facts_agree_with_the_codes(name):
     top = int(encode([f.max], f)[0])
     assert decode([top], f)[0] == f.max
     above = top + 1  # the next code is inf/NaN, or the first negative code when there are none
-    assert (
-        above == 1 << (f.bits - 1) if f.saturates_always else not np.isfinite(decode([above], f)[0])
-    )
+    assert above == 1 << (f.bits - 1) if f.saturates_always else not np.isfinite(decode([above], f)[0])
     if f.bits <= 19:
         positive = finite[finite > 0]
         assert positive.min() == f.smallest_positive

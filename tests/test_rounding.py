@@ -64,9 +64,7 @@ def test_nearest_equals_ml_dtypes_for_float32(name, implementation):
         theirs = x.astype(ML_DTYPES[name]).astype(np.float32)
     assert ours.dtype == np.float32
     bad = ~bits_equal(ours, theirs)
-    assert not bad.any(), (
-        f"{bad.sum()} differ, e.g. {x[bad][:4]} -> {ours[bad][:4]} vs {theirs[bad][:4]}"
-    )
+    assert not bad.any(), f"{bad.sum()} differ, e.g. {x[bad][:4]} -> {ours[bad][:4]} vs {theirs[bad][:4]}"
 
 
 def test_e8m0_float32_subnormals_round_to_nearest(implementation):
@@ -82,9 +80,7 @@ def test_fp6_fp4_keep_nan_and_saturate_inf(implementation):
         assert np.isnan(out[0]) and list(out[1:]) == [f.max, -f.max, f.max]
 
 
-@pytest.mark.parametrize(
-    "name", ["tf32", "fp16", "bf16", "e4m3fn", "e5m2fnuz", "e2m1fn", "e3m4_ieee"]
-)
+@pytest.mark.parametrize("name", ["tf32", "fp16", "bf16", "e4m3fn", "e5m2fnuz", "e2m1fn", "e3m4_ieee"])
 @pytest.mark.parametrize("mode", ["nearest", "toward_zero"])
 def test_matches_exact_reference(name, mode, implementation):
     f = get_format(name)

@@ -6,15 +6,25 @@ first used.
 
 from .errors import NonFiniteError, PolyampError
 from .numerics import FORMATS, ROUNDINGS, FloatFormat, decode, encode, get_format, quantize
+from .policy import Policy
+from .scaling import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
+from .training import MixedPrecision, StepResult
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FORMATS",
     "ROUNDINGS",
+    "DynamicLossScale",
     "FloatFormat",
+    "LossScaleState",
+    "MixedPrecision",
+    "NoLossScale",
     "NonFiniteError",
+    "Policy",
     "PolyampError",
+    "StaticLossScale",
+    "StepResult",
     "decode",
     "encode",
     "get_format",

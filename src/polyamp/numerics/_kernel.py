@@ -30,9 +30,7 @@ def _bits(typingctx, x):
 @intrinsic
 def _float(typingctx, u):
     """uint64 bit pattern -> float64."""
-    return types.float64(types.uint64), lambda ctx, b, sig, args: b.bitcast(
-        args[0], ir.DoubleType()
-    )
+    return types.float64(types.uint64), lambda ctx, b, sig, args: b.bitcast(args[0], ir.DoubleType())
 
 
 @nb.njit(inline="always")

@@ -27,9 +27,7 @@ def decode(codes, fmt) -> np.ndarray:
     fmt = get_format(fmt)
     c = np.asarray(codes)
     if c.dtype.kind not in "ui":
-        raise PolyampError(
-            f"codes must be an integer array, got dtype {c.dtype}; accepted: uint8/16/32"
-        )
+        raise PolyampError(f"codes must be an integer array, got dtype {c.dtype}; accepted: uint8/16/32")
     if c.size and (int(c.min()) < 0 or int(c.max()) >= 1 << fmt.bits):
         raise PolyampError(
             f"codes out of range for {fmt.name}: got {int(c.min())}..{int(c.max())}; "
@@ -39,13 +37,9 @@ def decode(codes, fmt) -> np.ndarray:
     m, top = fmt.mbits, (1 << fmt.ebits) - 1
     mant = c & _U((1 << m) - 1)
     field = (c >> _U(m)) & _U(top)
-    sign = (
-        ((c >> _U(m + fmt.ebits)) & _U(1)).astype(bool) if fmt.signed else np.zeros(c.shape, bool)
-    )
+    sign = ((c >> _U(m + fmt.ebits)) & _U(1)).astype(bool) if fmt.signed else np.zeros(c.shape, bool)
     exp = field.astype(np.int64) - fmt.bias - m
-    significand = mant.astype(np.float64) + np.where(
-        field > 0 if fmt.subnormals else True, 2.0**m, 0.0
-    )
+    significand = mant.astype(np.float64) + np.where(field > 0 if fmt.subnormals else True, 2.0**m, 0.0)
     if fmt.subnormals:
         exp = np.where(field == 0, fmt.emin - m, exp)
     mag = np.ldexp(significand, exp.astype(np.int32))

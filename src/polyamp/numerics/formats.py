@@ -41,8 +41,7 @@ class FloatFormat:
     def __post_init__(self) -> None:
         if self.special not in CONVENTIONS:
             raise PolyampError(
-                f"unknown special-value convention {self.special!r}; "
-                f"accepted: {', '.join(CONVENTIONS)}"
+                f"unknown special-value convention {self.special!r}; accepted: {', '.join(CONVENTIONS)}"
             )
         if not (1 <= self.ebits <= 8 and 0 <= self.mbits <= 23):
             raise PolyampError(
@@ -148,9 +147,7 @@ class FloatFormat:
     @property
     def nan_codes(self) -> int:
         sides = 2 if self.signed else 1
-        return {"ieee": sides * ((1 << self.mbits) - 1), "fn": sides, "fnuz": 1, "none": 0}[
-            self.special
-        ]
+        return {"ieee": sides * ((1 << self.mbits) - 1), "fn": sides, "fnuz": 1, "none": 0}[self.special]
 
     @property
     def inf_codes(self) -> int:
@@ -236,9 +233,7 @@ def get_format(spec: str | FloatFormat) -> FloatFormat:
     if isinstance(spec, FloatFormat):
         return spec
     if not isinstance(spec, str):
-        raise PolyampError(
-            f"expected a format name, got {type(spec).__name__} {spec!r}; {_accepted()}"
-        )
+        raise PolyampError(f"expected a format name, got {type(spec).__name__} {spec!r}; {_accepted()}")
     key = spec.strip().lower().replace("-", "_")
     key = ALIASES.get(key, key)
     if key in FORMATS:

@@ -69,9 +69,7 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
 
 def _quantize_array(arr: np.ndarray, fmt: FloatFormat, mode: int, saturate: bool, seed: int):
     if arr.dtype.itemsize == 2 and mode != _MODE["stochastic"]:
-        table = _table(
-            arr.dtype.str if arr.dtype != INPUT_DTYPES[1] else "bf16", fmt, mode, saturate
-        )
+        table = _table(arr.dtype.str if arr.dtype != INPUT_DTYPES[1] else "bf16", fmt, mode, saturate)
         return table[arr.view(np.uint16)]
     work = arr if arr.dtype.itemsize >= 4 else arr.astype(np.float32)
     flat = np.ascontiguousarray(work).reshape(-1)
@@ -97,9 +95,7 @@ def _table(dtype_key: str, fmt: FloatFormat, mode: int, saturate: bool) -> np.nd
 
 def _params(fmt: FloatFormat, mode: int, saturate: bool, seed: int) -> tuple:
     """The scalars the kernel needs, in its argument order."""
-    overflow = (
-        fmt.max if (saturate or fmt.saturates_always) else (np.inf if fmt.has_inf else np.nan)
-    )
+    overflow = fmt.max if (saturate or fmt.saturates_always) else (np.inf if fmt.has_inf else np.nan)
     return (fmt.mbits, fmt.emin, fmt.emax, float(fmt.max), float(overflow), mode,
             not fmt.has_negative_zero, np.uint64(_mix(seed)))  # fmt: skip
 

@@ -1,0 +1,81 @@
+"""The contract every framework backend implements.
+
+A backend supplies the few framework-specific primitives; the training sequence (unscale ->
+finite check -> clip -> step or skip -> loss-scale update) is written once in ``training.py``.
+A method a framework cannot support raises ``PolyampError`` saying so (the base versions do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import PolyampError
+
+
+class Backend:
+    """Framework adapter. Subclasses set ``name`` and override what their framework supports."""
+
+    name = "?"
+
+    def _unsupported(self, what: str) -> PolyampError:
+        return PolyampError(f"{what} is not supported by the {self.name} backend")
+
+    # -- tensors ----------------------------------------------------------------------------------
+    def is_tensor(self, x: Any) -> bool:
+        raise self._unsupported("is_tensor")
+
+    def cast(self, x: Any, dtype: str) -> Any:
+        """Cast a floating tensor to ``dtype`` ('float32', 'bfloat16', 'float16')."""
+        raise self._unsupported("cast")
+
+    # -- the training step --------------------------------------------------------------------------
+    def autocast(self, policy, device: str | None):
+        """A context manager running ops in the policy's compute dtype."""
+        raise self._unsupported("autocast")
+
+    def scale_loss(self, loss: Any, scale: float) -> Any:
+        """``loss * scale``, after checking that ``loss`` is a floating scalar."""
+        raise self._unsupported("scale_loss")
+
+    def gradients(self, optimizers: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        """(gradients, their parameters) that the optimizers will apply, validated."""
+        raise self._unsupported("gradients")
+
+    def unscale_and_check(self, grads: list[Any], inv_scale: float, group: Any = None) -> bool:
+        """Multiply grads by ``inv_scale`` in place; True when all are finite on every rank.
+
+        One fused pass over the gradients and one host synchronisation; the finite flag is
+        all-reduced across the distributed group when one is active.
+        """
+        raise self._unsupported("unscale_and_check")
+
+    def clip(self, grads: list[Any], params: list[Any], max_norm: float) -> float:
+        """Clip by global norm; returns the norm before clipping."""
+        raise self._unsupported("clip")
+
+    def nonfinite(self, named_grads: list[tuple[str, Any]]) -> tuple[str, ...]:
+        """Names of the gradients that hold inf or NaN (only called after a failed check)."""
+        raise self._unsupported("nonfinite")
+
+    def apply(self, optimizers: Sequence[Any]) -> None:
+        """Run the optimizers' update."""
+        raise self._unsupported("apply")
+
+    # -- names and debugging --------------------------------------------------------------------
+    def parameter_names(self, model: Any) -> dict[int, str]:
+        """``id(parameter) -> qualified name`` for a model."""
+        raise self._unsupported("parameter_names")
+
+    def watch_nonfinite(self, model: Any, origin: list[str]) -> list[Any]:
+        """Install hooks that append to ``origin`` where a non-finite value first appears
+        (forward output or gradient); returns handles that remove them."""
+        raise self._unsupported("watch_nonfinite")
+
+    # -- measurement ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU)."""
+
+    def peak_memory(self) -> int | None:
+        """Peak device memory in bytes where the framework tracks it, else None."""
+        return None

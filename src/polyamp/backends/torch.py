@@ -1,0 +1,168 @@
+"""PyTorch backend: torch.autocast, the fused unscale-and-check GradScaler uses, torch.distributed.
+
+CUDA paths (autocast on "cuda", fp16 loss scaling, NCCL all-reduce) use the same calls as on CPU;
+they are guarded by torch itself reporting the device as available.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import PolyampError
+from ._base import Backend
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}  # fmt: skip
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def is_tensor(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def cast(self, x, dtype: str):
+        return x.to(_DTYPES[dtype]) if x.is_floating_point() else x
+
+    # -- autocast ----------------------------------------------------------------------------------
+    def autocast(self, policy, device: str | None):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = _DTYPES[policy.compute_dtype]
+        if dtype in (torch.float32, torch.float64) or not policy.is_mixed:
+            return torch.autocast(device, enabled=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ctx = torch.autocast(device, dtype=dtype)
+        if not ctx._enabled:
+            reason = "; ".join(str(w.message).splitlines()[0] for w in caught) or "unsupported"
+            raise PolyampError(
+                f"torch cannot autocast to {policy.compute_dtype} on {device!r} here ({reason}); "
+                "accepted: bf16 or fp16 on 'cpu', fp16 (and bf16 where supported) on 'cuda'"
+            )
+        if device == "cpu" and dtype == torch.float16:
+            _warn_once(
+                "fp16 autocast on CPU runs without fp16 hardware in most CPUs (about 100x slower "
+                "than float32 in torch on this project's machine); bf16-mixed is the CPU path"
+            )
+        return ctx
+
+    # -- the step ----------------------------------------------------------------------------------
+    def scale_loss(self, loss, scale: float):
+        if not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            raise PolyampError(
+                f"loss must be a floating-point torch tensor, got "
+                f"{getattr(loss, 'dtype', type(loss).__name__)}"
+            )
+        if loss.numel() != 1:
+            raise PolyampError(f"loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
+        return loss if scale == 1.0 else loss * scale
+
+    def gradients(self, optimizers: Sequence[Any]):
+        grads, params = [], []
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise PolyampError(
+                    f"expected a torch.optim.Optimizer, got {type(opt).__module__}.{type(opt).__name__}"
+                )
+            group_params = [p for group in opt.param_groups for p in group["params"]]
+            if not group_params:
+                raise PolyampError(f"{type(opt).__name__} has no parameters to update")
+            for p in group_params:
+                if p.grad is not None:
+                    grads.append(p.grad)
+                    params.append(p)
+        if not grads:
+            raise PolyampError("no parameter has a gradient: call mp.backward(loss) before mp.step")
+        return grads, params
+
+    def unscale_and_check(self, grads, inv_scale: float, group=None) -> bool:
+        found = {}
+        by_device: dict[tuple, list] = {}
+        for g in grads:
+            if g.is_sparse:
+                g = g.coalesce().values()
+            by_device.setdefault((g.device, g.dtype), []).append(g)
+        for (device, _), tensors in by_device.items():
+            if device not in found:
+                found[device] = torch.zeros(1, dtype=torch.float32, device=device)
+            # float64 reciprocal first, as GradScaler does, so that unscaling matches it bit for bit
+            inv = torch.full((1,), inv_scale, dtype=torch.float64, device=device).float()
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv)
+        flags = list(found.values())
+        flag = flags[0] if len(flags) == 1 else sum(f.to(flags[0].device) for f in flags)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX, group=group)
+        return float(flag.item()) == 0.0
+
+    def clip(self, grads, params, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def nonfinite(self, named_grads) -> tuple[str, ...]:
+        return tuple(name for name, g in named_grads if not bool(torch.isfinite(g).all()))
+
+    def apply(self, optimizers) -> None:
+        for opt in optimizers:
+            opt.step()
+
+    # -- names and debugging -----------------------------------------------------------------------
+    def parameter_names(self, model) -> dict[int, str]:
+        if not isinstance(model, torch.nn.Module):
+            raise PolyampError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        return {id(p): name for name, p in model.named_parameters()}
+
+    def watch_nonfinite(self, model, origin: list[str]) -> list[Any]:
+        """Forward hooks on every module and gradient hooks on every parameter; each check
+        synchronises, so this is for debugging runs only."""
+
+        def forward_hook(name):
+            def hook(module, inputs, output):
+                if not origin and not _all_finite(output):
+                    origin.append(f"forward output of {name or type(module).__name__}")
+
+            return hook
+
+        def grad_hook(name):
+            def hook(grad):
+                if not origin and not bool(torch.isfinite(grad).all()):
+                    origin.append(f"gradient of {name}")
+
+            return hook
+
+        handles = [m.register_forward_hook(forward_hook(n)) for n, m in model.named_modules()]
+        handles += [p.register_hook(grad_hook(n)) for n, p in model.named_parameters()
+                    if p.requires_grad]  # fmt: skip
+        return handles
+
+    # -- measurement -------------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def peak_memory(self) -> int | None:
+        return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+
+
+def _all_finite(output) -> bool:
+    if isinstance(output, torch.Tensor):
+        return not output.is_floating_point() or bool(torch.isfinite(output).all())
+    if isinstance(output, (list, tuple)):
+        return all(_all_finite(o) for o in output)
+    if isinstance(output, dict):
+        return all(_all_finite(o) for o in output.values())
+    return True
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+BACKEND = TorchBackend()

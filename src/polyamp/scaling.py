@@ -1,0 +1,403 @@
+"""Loss scaling as a pure, framework-neutral state machine: a frozen config and a small state.
+
+Backends only say whether this step's gradients are finite (agreed across ranks) and multiply by
+``state.scale``; the algorithm lives here once::
+
+    ls = DynamicLossScale.preset("torch")        # or DynamicLossScale(...), NoLossScale(), ...
+    state = ls.init()
+    for batch in data:
+        ...                                      # backward of loss * state.scale, unscale, finite?
+        state = ls.update(state, finite)         # the optimizer step is skipped when not finite
+        ls.check(state, where=first_bad_layer)   # NonFiniteError after too many skips in a row
+
+Configs and states round-trip through ``as_dict()`` / ``from_dict()`` and pickle, every field
+included, so a checkpoint can hold both: ``ls.as_dict()`` with ``ls.state_dict(state)``, restored
+by ``loss_scale_from_dict`` and ``ls.load_state``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from .errors import NonFiniteError, PolyampError, invalid
+
+PRESETS = ("polyamp", "torch", "keras", "jmp", "deepspeed", "mxnet")
+SCALE_DTYPES = ("float64", "float32", "float32-ftz")
+_F32_TINY = 2.0**-126  # smallest normal float32
+
+
+def _known_keys(cls: type, data: Mapping[str, Any], what: str, extra: tuple[str, ...] = ()) -> None:
+    if not isinstance(data, Mapping):
+        raise PolyampError(f"expected a dict of {what} fields; received {data!r}")
+    names = [*extra, *(f.name for f in fields(cls))]
+    unknown = [key for key in data if key not in names]
+    if unknown:
+        raise invalid(f"{what} field", unknown[0], names)
+
+
+@dataclass(frozen=True)
+class LossScaleState:
+    """Where a loss scale stands; a value, never mutated.
+
+    ``scale`` is the factor for the next step's loss. ``good_steps`` counts finite steps toward the
+    next growth (since the last growth or overflow; it starts at ``-growth_delay``).
+    ``hysteresis_left`` is how many more overflows are tolerated before backing off.
+    ``skipped_in_a_row`` counts consecutive non-finite steps (for ``check``); ``steps`` and
+    ``skipped`` count all updates and all skipped ones. ``next_scale`` is the scale already
+    decided but not yet in effect (only for ``one_step_lag``; otherwise None).
+    """
+
+    scale: float
+    good_steps: int = 0
+    hysteresis_left: int = 1
+    skipped_in_a_row: int = 0
+    steps: int = 0
+    skipped: int = 0
+    next_scale: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every field as plain Python numbers."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LossScaleState:
+        """The inverse of :meth:`as_dict`; missing counters take their defaults."""
+        _known_keys(cls, data, "loss-scale state")
+        if "scale" not in data:
+            raise PolyampError(f"a loss-scale state needs 'scale'; received keys {sorted(data)}")
+        values = {k: int(v) for k, v in data.items() if k not in ("scale", "next_scale")}
+        next_scale = data.get("next_scale")
+        return cls(
+            scale=float(data["scale"]),
+            next_scale=None if next_scale is None else float(next_scale),
+            **values,
+        )
+
+
+def _counted(state: LossScaleState, finite: bool, **changes: Any) -> LossScaleState:
+    """The counters every loss scale keeps, plus ``changes``."""
+    counters = {
+        "good_steps": state.good_steps + 1 if finite else 0,
+        "skipped_in_a_row": 0 if finite else state.skipped_in_a_row + 1,
+        "steps": state.steps + 1,
+        "skipped": state.skipped + (not finite),
+    }
+    return LossScaleState(**{**state.as_dict(), **counters, **changes})
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _count(value: object, minimum: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+
+
+_GUARD_RULE = ("max_consecutive_skips", lambda v: v is None or _count(v, 1), "None or >= 1")
+
+
+class _LossScale:
+    """What every loss scale shares: the skip guard and the dict round trip."""
+
+    kind = ""
+    max_consecutive_skips: int | None
+
+    def _validate(self, *rules: tuple[str, Callable[[Any], bool], str]) -> None:
+        """Raise PolyampError for the first field whose rule fails: (name, ok(value), accepted)."""
+        for name, ok, accepted in (*rules, _GUARD_RULE):
+            value = getattr(self, name)
+            if not ok(value):
+                raise PolyampError(f"{type(self).__name__} {name} must be {accepted}; received {value!r}")
+
+    def check(self, state: LossScaleState, where: str | None = None) -> None:
+        """Raise NonFiniteError once ``max_consecutive_skips`` steps in a row were not finite.
+
+        ``where`` names the layer or parameter that first produced a non-finite value, if known.
+        """
+        limit = self.max_consecutive_skips
+        if limit is None or state.skipped_in_a_row < limit:
+            return
+        origin = (
+            f"the first non-finite value came from {where!r}"
+            if where
+            else "the layer that first produced a non-finite value is not known"
+        )
+        raise NonFiniteError(
+            f"{state.skipped_in_a_row} consecutive steps were skipped because the gradients were "
+            f"not finite (loss scale {state.scale:g}, max_consecutive_skips={limit}); {origin}. "
+            "Training is not progressing: lower the learning rate, check the data and the loss "
+            "for NaN/inf (log(0), division by zero, a too small eps), keep that layer in float32, "
+            "or train in bf16, which has float32's range and needs no loss scaling. "
+            "max_consecutive_skips=None turns this check off."
+        )
+
+    def state_dict(self, state: LossScaleState) -> dict[str, Any]:
+        """``state`` as plain values, for a checkpoint."""
+        return state.as_dict()
+
+    def load_state(self, data: dict[str, Any]) -> LossScaleState:
+        """The state saved by :meth:`state_dict`."""
+        return LossScaleState.from_dict(data)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The config as plain values, with ``kind`` for :func:`loss_scale_from_dict`."""
+        return {"kind": self.kind, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        """The inverse of :meth:`as_dict`."""
+        kind = data.get("kind", cls.kind) if isinstance(data, Mapping) else cls.kind
+        if kind != cls.kind:
+            raise invalid(f"kind for {cls.__name__}", kind, [cls.kind])
+        _known_keys(cls, data, f"{cls.__name__} config", extra=("kind",))
+        return cls(**{key: value for key, value in data.items() if key != "kind"})
+
+
+@dataclass(frozen=True)
+class NoLossScale(_LossScale):
+    """No scaling (bf16, fp32): the scale stays 1; non-finite steps are counted and guarded."""
+
+    max_consecutive_skips: int | None = 100
+    kind = "none"
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def init(self) -> LossScaleState:
+        return LossScaleState(scale=1.0)
+
+    def update(self, state: LossScaleState, finite: bool) -> LossScaleState:
+        """Count the step; the scale does not change."""
+        return _counted(state, bool(finite))
+
+
+@dataclass(frozen=True)
+class StaticLossScale(_LossScale):
+    """A fixed loss scale; non-finite steps are counted and guarded."""
+
+    scale: float
+    max_consecutive_skips: int | None = 100
+    kind = "static"
+
+    def __post_init__(self) -> None:
+        self._validate(("scale", lambda v: _number(v) and 0 < v < math.inf, "a finite number > 0"))
+
+    def init(self) -> LossScaleState:
+        return LossScaleState(scale=float(self.scale))
+
+    def update(self, state: LossScaleState, finite: bool) -> LossScaleState:
+        """Count the step; the scale does not change."""
+        return _counted(state, bool(finite))
+
+
+_BELOW_ONE = (
+    "the loss scale fell below 1: gradients are now scaled down, not up, and small ones flush to "
+    "zero in float16. Scaling cannot fix real NaN/inf (from the data, the loss, a too high "
+    "learning rate, a bf16-pretrained model run in fp16); min_scale=1 (polyamp's default) keeps "
+    "a floor."
+)
+
+
+@dataclass(frozen=True)
+class DynamicLossScale(_LossScale):
+    """Dynamic loss scaling: back off on overflow, grow after a run of finite steps.
+
+    The defaults are polyamp's (init 2^16, x2 every 2000 finite steps, x0.5 on overflow, floor 1,
+    cap 2^24); :meth:`preset` gives the other libraries'. The fields after
+    ``max_consecutive_skips`` reproduce their quirks: DeepSpeed's ``consecutive_hysteresis`` and
+    ``growth_delay``, MXNet's ``one_step_lag``, Keras 3's ``allow_inf_scale``, and
+    ``scale_dtype``: ``"float32"`` rounds the scale as a float32 tensor does, ``"float32-ftz"``
+    also flushes a subnormal scale to 0 as TensorFlow and XLA kernels do.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    max_consecutive_skips: int | None = 100
+    consecutive_hysteresis: bool = False
+    growth_delay: int = 0
+    one_step_lag: bool = False
+    allow_inf_scale: bool = False
+    scale_dtype: str = "float64"
+    kind = "dynamic"
+
+    def __post_init__(self) -> None:
+        lo, hi = self.min_scale, self.max_scale
+        flag = (lambda v: isinstance(v, bool), "True or False")
+        self._validate(
+            ("growth_factor", lambda v: _number(v) and 1 < v < math.inf, "a finite number > 1"),
+            ("backoff_factor", lambda v: _number(v) and 0 < v < 1, "a number in (0, 1)"),
+            ("growth_interval", lambda v: _count(v, 1), "an integer >= 1"),
+            ("hysteresis", lambda v: _count(v, 1), "an integer >= 1"),
+            ("growth_delay", lambda v: _count(v, 0), "an integer >= 0"),
+            ("min_scale", lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0"),
+            (
+                "max_scale",
+                lambda v: _number(v) and v > 0 and v >= lo,
+                f"> 0 and >= min_scale={lo!r}",
+            ),
+            (
+                "init_scale",
+                lambda v: _number(v) and 0 < v < math.inf and lo <= v <= hi,
+                f"finite, > 0 and within [min_scale, max_scale] = [{lo!r}, {hi!r}]",
+            ),
+            ("consecutive_hysteresis", *flag),
+            ("one_step_lag", *flag),
+            ("allow_inf_scale", *flag),
+            ("scale_dtype", lambda v: v in SCALE_DTYPES, " or ".join(map(repr, SCALE_DTYPES))),
+        )
+
+    @classmethod
+    def preset(cls, name: str) -> DynamicLossScale:
+        """The config that reproduces a library's own scale trajectory; one of :data:`PRESETS`."""
+        key = name.lower() if isinstance(name, str) else None
+        if key not in _PRESETS:
+            raise invalid("loss-scale preset", name, PRESETS)
+        return cls(**_PRESETS[key])
+
+    def _round(self, scale: float) -> float:
+        if self.scale_dtype == "float64":
+            return float(scale)
+        with np.errstate(over="ignore"):
+            rounded = float(np.float32(scale))
+        if self.scale_dtype == "float32-ftz" and abs(rounded) < _F32_TINY:
+            return 0.0
+        return rounded
+
+    def init(self) -> LossScaleState:
+        scale = self._round(self.init_scale)
+        return LossScaleState(
+            scale=scale,
+            good_steps=-self.growth_delay,
+            hysteresis_left=self.hysteresis,
+            next_scale=scale if self.one_step_lag else None,
+        )
+
+    def update(self, state: LossScaleState, finite: bool) -> LossScaleState:
+        """The state after one step whose gradients were ``finite`` or not. Pure; never raises.
+
+        finite: ``good_steps += 1`` (``hysteresis_left`` is refilled if
+        ``consecutive_hysteresis``); once ``good_steps == growth_interval``: ``good_steps = 0``,
+        ``hysteresis_left = hysteresis`` and ``scale = min(scale * growth_factor, max_scale)``,
+        kept only if finite unless ``allow_inf_scale``.
+
+        not finite (the step is skipped): ``good_steps = -growth_delay``; if
+        ``hysteresis_left > 1`` it is decremented and the scale kept, otherwise
+        ``scale = max(scale * backoff_factor, min_scale)`` (``hysteresis_left`` stays 1).
+
+        With ``scale_dtype="float32"`` every new scale is rounded to float32 (``"float32-ftz"``:
+        and a subnormal result flushed to 0, as TensorFlow and XLA CPU kernels do). With
+        ``one_step_lag`` the rule runs on ``next_scale`` and ``scale`` becomes the previous
+        ``next_scale``. A RuntimeWarning says when the scale falls below 1.
+        """
+        finite = bool(finite)
+        lagged = self.one_step_lag and state.next_scale is not None
+        base = state.next_scale if lagged else state.scale
+        hysteresis_left = state.hysteresis_left
+        good_steps = state.good_steps + 1 if finite else -self.growth_delay
+        new = base
+        if finite:
+            if self.consecutive_hysteresis:
+                hysteresis_left = self.hysteresis
+            if good_steps >= self.growth_interval:
+                grown = self._round(min(base * self.growth_factor, self.max_scale))
+                if self.allow_inf_scale or math.isfinite(grown):
+                    new = grown
+                good_steps = 0
+                hysteresis_left = self.hysteresis
+        elif hysteresis_left > 1:
+            hysteresis_left -= 1
+        else:
+            new = self._round(max(base * self.backoff_factor, self.min_scale))
+        scale, next_scale = (base, new) if self.one_step_lag else (new, None)
+        if scale < 1 <= state.scale:
+            warnings.warn(_BELOW_ONE, RuntimeWarning, stacklevel=2)
+        return _counted(
+            state,
+            finite,
+            scale=scale,
+            next_scale=next_scale,
+            good_steps=good_steps,
+            hysteresis_left=hysteresis_left,
+        )
+
+
+_INF = math.inf
+# Each preset as its library runs it; every entry cites the code it reproduces.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "polyamp": {},
+    # pytorch/pytorch torch/amp/grad_scaler.py + _amp_update_scale_ kernel: fp32 scale tensor,
+    # no floor, growth kept only if the fp32 result is finite.
+    "torch": {
+        "init_scale": 2.0**16,
+        "growth_interval": 2000,
+        "min_scale": 0.0,
+        "max_scale": _INF,
+        "scale_dtype": "float32",
+    },
+    # keras/src/optimizers/loss_scale_optimizer.py (Keras 3): fp32 variable, counter reset on
+    # growth and overflow, no floor, growth not checked, so the scale can reach inf and stay;
+    # the TensorFlow and JAX backends flush a subnormal scale to 0 (the torch backend does not).
+    "keras": {
+        "init_scale": 2.0**15,
+        "growth_interval": 2000,
+        "min_scale": 0.0,
+        "max_scale": _INF,
+        "allow_inf_scale": True,
+        "scale_dtype": "float32-ftz",
+    },
+    # google-deepmind/jmp jmp/_src/loss_scale.py: DynamicLossScale(jnp.asarray(2.**15)) (fp32),
+    # period 2000, factor 2, min_loss_scale 1 (so never subnormal), growth only to a finite value.
+    "jmp": {
+        "init_scale": 2.0**15,
+        "growth_interval": 2000,
+        "min_scale": 1.0,
+        "max_scale": _INF,
+        "scale_dtype": "float32",
+    },
+    # deepspeedai/DeepSpeed deepspeed/runtime/fp16/loss_scaler.py with the config defaults
+    # (initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min_loss_scale 1,
+    # consecutive_hysteresis False): growth needs stable_interval = iters since the last overflow
+    # - 1 to be a positive multiple of the window, so its first clean step does not count
+    # (growth_delay 1); Python float, unchecked growth. Its raise at min scale is not modelled.
+    "deepspeed": {
+        "init_scale": 2.0**16,
+        "growth_interval": 1000,
+        "hysteresis": 2,
+        "min_scale": 1.0,
+        "max_scale": _INF,
+        "growth_delay": 1,
+        "allow_inf_scale": True,
+    },
+    # apache/mxnet python/mxnet/contrib/amp/loss_scaler.py: halve (no floor), double after 2000
+    # clean steps up to 2^24; has_overflow first sets loss_scale = _next_loss_scale and then
+    # computes the next one, so each new scale takes effect one step late.
+    "mxnet": {
+        "init_scale": 2.0**16,
+        "growth_interval": 2000,
+        "min_scale": 0.0,
+        "max_scale": 2.0**24,
+        "one_step_lag": True,
+    },
+}
+
+_KINDS = {cls.kind: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
+
+
+def loss_scale_from_dict(data: dict[str, Any]) -> NoLossScale | StaticLossScale | DynamicLossScale:
+    """Rebuild any loss-scale config from its ``as_dict()``, chosen by its ``kind``."""
+    kind = data.get("kind") if isinstance(data, Mapping) else None
+    if not isinstance(kind, str) or kind not in _KINDS:
+        raise invalid("loss-scale kind", kind, _KINDS)
+    return _KINDS[kind].from_dict(data)

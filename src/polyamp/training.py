@@ -1,0 +1,215 @@
+"""``MixedPrecision``: one object per training run, in each framework's idiom.
+
+The step sequence is written once here; backends supply the primitives (``backends/_base.py``):
+
+1. unscale the gradients by ``1/scale`` and check them for inf/NaN in one fused pass;
+2. agree on the finite flag across ranks (all-reduce) when training is distributed;
+3. if finite: clip by global norm (optional) and run the optimizers; else skip them;
+4. update the loss scale (``scaling.py``); after too many consecutive skips raise
+   ``NonFiniteError`` naming where the first non-finite value came from.
+
+Every policy guards the update: a non-finite step is skipped also when no loss scaling is needed
+(bf16, fp32), unless ``guard=False``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from .backends import detect, get_backend, imported_frameworks
+from .errors import PolyampError
+from .policy import Policy
+from .scaling import DynamicLossScale, NoLossScale, StaticLossScale
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did.
+
+    ``scale`` is the loss scale for the next step; ``grad_norm`` the global gradient norm before
+    clipping (computed when clipping was asked for); ``nonfinite`` the names of the parameters
+    whose gradients held inf/NaN on a skipped step; ``origin`` the first module whose forward
+    output or gradient became non-finite (with ``debug=True`` and ``watch(model)``).
+    """
+
+    stepped: bool
+    scale: float
+    grad_norm: float | None = None
+    nonfinite: tuple[str, ...] = ()
+    origin: str | None = None
+
+
+def make_loss_scale(spec, policy: Policy):
+    """None: dynamic (polyamp defaults) when the policy needs scaling, else none; a preset name;
+    a number (static); or a loss-scale object."""
+    if spec is None:
+        return DynamicLossScale() if policy.needs_loss_scaling else NoLossScale()
+    if isinstance(spec, str):
+        if spec in ("none", "off"):
+            return NoLossScale()
+        return DynamicLossScale() if spec == "dynamic" else DynamicLossScale.preset(spec)
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return StaticLossScale(float(spec))
+    if all(hasattr(spec, attr) for attr in ("init", "update", "check")):
+        return spec
+    raise PolyampError(
+        f"unknown loss_scale {spec!r}; accepted: None, 'dynamic', 'none', a preset name "
+        "('polyamp', 'torch', 'keras', 'jmp', 'deepspeed', 'mxnet'), a number, or a loss-scale object"
+    )
+
+
+class MixedPrecision:
+    """Mixed precision for one training run.
+
+    >>> mp = MixedPrecision("bf16-mixed")          # doctest: +SKIP
+    >>> with mp.autocast():                         # doctest: +SKIP
+    ...     loss = loss_fn(model(x), y)
+    >>> mp.backward(loss)                           # doctest: +SKIP
+    >>> result = mp.step(optimizer, clip_grad_norm=1.0)  # doctest: +SKIP
+
+    ``framework`` is inferred from the first tensor, model or optimizer handed over, or named.
+    ``device`` is the autocast device ('cpu', 'cuda'; default: cuda when available, else cpu).
+    ``process_group`` is the group whose ranks must agree on skipping (default: the world).
+    """
+
+    def __init__(self, policy: str | Policy = "bf16-mixed", *, loss_scale=None,
+                 framework: str | None = None, device: str | None = None, guard: bool = True,
+                 debug: bool = False, process_group: Any = None):  # fmt: skip
+        self.policy = Policy.parse(policy)
+        self.loss_scale = make_loss_scale(loss_scale, self.policy)
+        if not guard and not isinstance(self.loss_scale, NoLossScale):
+            raise PolyampError(
+                "guard=False needs loss_scale='none': a loss scale needs the finite check to adapt"
+            )
+        self.state = self.loss_scale.init()
+        self.framework = None
+        if framework is not None:
+            get_backend(framework)  # validates the name and that it is installed
+            self.framework = framework
+        self.device = device
+        self.guard = guard
+        self.debug = debug
+        self.process_group = process_group
+        self._names: dict[int, str] = {}
+        self._origin: list[str] = []
+        self._hooks: list[Any] = []
+
+    # -- which framework ---------------------------------------------------------------------------
+    @property
+    def backend(self):
+        if self.framework is None:
+            found = imported_frameworks()
+            if len(found) != 1:
+                raise PolyampError(
+                    "cannot tell which framework this MixedPrecision drives "
+                    f"(imported: {', '.join(found) or 'none'}); pass framework='torch' (or "
+                    "'tensorflow', 'jax', 'mxnet')"
+                )
+            self.framework = found[0]
+        return get_backend(self.framework)
+
+    def _bind(self, obj: Any, what: str):
+        name = detect(obj)
+        if name is None:
+            raise PolyampError(
+                f"{what} must be a tensor/model/optimizer of a supported framework, got "
+                f"{type(obj).__module__}.{type(obj).__name__}"
+            )
+        if self.framework is None:
+            self.framework = name
+        elif name != self.framework:
+            raise PolyampError(
+                f"this MixedPrecision drives {self.framework}, but {what} is a {name} object "
+                f"({type(obj).__module__}.{type(obj).__name__}); use one MixedPrecision per framework"
+            )
+        return get_backend(name)
+
+    @property
+    def scale(self) -> float:
+        return float(self.state.scale)
+
+    # -- the eager (PyTorch, MXNet) idiom ------------------------------------------------------------
+    def autocast(self, *, device: str | None = None, enabled: bool = True):
+        """Context manager: ops inside run in the policy's compute dtype where that is safe."""
+        if not enabled:
+            return contextlib.nullcontext()
+        return self.backend.autocast(self.policy, device or self.device)
+
+    def backward(self, loss: Any, **kwargs) -> None:
+        """Backpropagate ``loss * scale``; call once per micro-batch to accumulate gradients."""
+        backend = self._bind(loss, "loss")
+        backend.scale_loss(loss, self.scale).backward(**kwargs)
+
+    def step(self, optimizer: Any, clip_grad_norm: float | None = None) -> StepResult:
+        """Unscale, check, clip, step or skip, update the scale (see the module docstring).
+
+        ``optimizer`` may be a list: one check over all of them, all step or none, one update.
+        """
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not optimizers:
+            raise PolyampError("step() got an empty list of optimizers")
+        backend = self._bind(optimizers[0], "optimizer")
+        for opt in optimizers[1:]:
+            self._bind(opt, "optimizer")
+        if clip_grad_norm is not None and not (
+            isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
+        ):
+            raise PolyampError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+        grads, params = backend.gradients(optimizers)
+        finite = True
+        if self.guard:
+            finite = backend.unscale_and_check(grads, 1.0 / self.scale, self.process_group)
+        grad_norm = None
+        nonfinite: tuple[str, ...] = ()
+        if finite:
+            if clip_grad_norm is not None:
+                grad_norm = backend.clip(grads, params, float(clip_grad_norm))
+            backend.apply(optimizers)
+        else:
+            nonfinite = backend.nonfinite([(self._name(p, i), g) for i, (p, g) in
+                                           enumerate(zip(params, grads))])  # fmt: skip
+        origin = self._origin[0] if self._origin else (nonfinite[0] if nonfinite else None)
+        self._origin.clear()
+        self.state = self.loss_scale.update(self.state, finite)
+        self.loss_scale.check(self.state, where=origin)
+        return StepResult(finite, self.scale, grad_norm, nonfinite, origin)
+
+    def watch(self, model: Any) -> Any:
+        """Learn the model's parameter names (for ``StepResult.nonfinite``) and, with
+        ``debug=True``, record the first module whose output or gradient turns non-finite."""
+        backend = self._bind(model, "model")
+        self._names.update(backend.parameter_names(model))
+        if self.debug:
+            self._hooks.extend(backend.watch_nonfinite(model, self._origin))
+        return model
+
+    def _name(self, param: Any, index: int) -> str:
+        return self._names.get(id(param), f"param[{index}]")
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Policy, loss-scale configuration and state, as plain Python values."""
+        return {
+            "policy": self.policy.name,
+            "loss_scale": self.loss_scale.as_dict(),
+            "state": self.loss_scale.state_dict(self.state),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the loss-scale state saved by ``state_dict``."""
+        if not isinstance(state, dict) or "state" not in state or "policy" not in state:
+            raise PolyampError(
+                f"expected a dict from MixedPrecision.state_dict(), got {type(state).__name__}"
+            )
+        if Policy.parse(state["policy"]) != self.policy:
+            raise PolyampError(
+                f"the checkpoint was saved with policy {state['policy']!r}, this run uses "
+                f"{self.policy.name!r}; create MixedPrecision({state['policy']!r}) to resume it"
+            )
+        self.state = self.loss_scale.load_state(state["state"])
+
+    def __repr__(self) -> str:
+        return (f"MixedPrecision({self.policy.name!r}, framework={self.framework!r}, "
+                f"scale={self.scale:g})")  # fmt: skip

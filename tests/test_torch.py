@@ -1,0 +1,339 @@
+"""The PyTorch backend end to end, against the real torch.autocast and torch.amp.GradScaler."""
+
+import copy
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import polyamp as pa
+from polyamp import NonFiniteError, PolyampError
+
+
+def tiny_model(seed=0, width=16):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, width), nn.GELU(), nn.Linear(width, 1))
+
+
+def batches(n, seed=1, size=32):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(size, 8, generator=g)
+        yield x, x.sum(dim=1, keepdim=True).sin()
+
+
+def inject(model, kind):
+    """Put inf, -inf or NaN into one gradient element of the first layer."""
+    value = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[kind]
+    model[0].weight.grad[0, 0] = value
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# -- autocast --------------------------------------------------------------------------------------
+def test_autocast_bf16_runs_matmuls_in_bf16_and_losses_in_fp32():
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch", device="cpu")
+    model = tiny_model()
+    with mp.autocast():
+        out = model(torch.randn(4, 8))
+        loss = nn.functional.mse_loss(out, torch.zeros(4, 1))
+    assert out.dtype == torch.bfloat16 and loss.dtype == torch.float32
+
+
+def test_float32_policy_does_not_autocast():
+    mp = pa.MixedPrecision("float32", framework="torch")
+    with mp.autocast():
+        assert tiny_model()(torch.randn(2, 8)).dtype == torch.float32
+    assert mp.loss_scale.init().scale == 1.0
+
+
+def test_fp16_autocast_on_cpu_works_and_warns_that_it_is_slow():
+    from polyamp.backends import torch as torch_backend
+
+    torch_backend._warned.clear()
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu")
+    with pytest.warns(RuntimeWarning, match="100x slower"), mp.autocast():
+        assert tiny_model()(torch.randn(2, 8)).dtype == torch.float16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is missing")
+def test_cuda_autocast_without_cuda_is_a_clear_error():
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cuda")
+    with pytest.raises(PolyampError, match="cannot autocast to float16 on 'cuda'"):
+        mp.autocast()
+
+
+# -- the step against GradScaler -----------------------------------------------------------------
+def test_fp16_steps_are_bit_identical_to_autocast_plus_gradscaler():
+    """Same model, data and overflow pattern: polyamp's torch preset and the real GradScaler."""
+    native, ours = tiny_model(), tiny_model()
+    opt_n = torch.optim.SGD(native.parameters(), lr=0.05, momentum=0.9)
+    opt_o = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=4)
+    ls = dataclasses.replace(pa.DynamicLossScale.preset("torch"), growth_interval=4)
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu", loss_scale=ls)
+    overflow_steps = {3, 4, 10, 11, 12, 20}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # fp16 on CPU is slow
+        for step, (x, y) in enumerate(batches(30)):
+            opt_n.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(native(x).float(), y)
+            scaler.scale(loss).backward()
+            if step in overflow_steps:
+                inject(native, "inf")
+            scaler.step(opt_n)
+            scaler.update()
+
+            opt_o.zero_grad()
+            with mp.autocast():
+                loss = nn.functional.mse_loss(ours(x).float(), y)
+            mp.backward(loss)
+            if step in overflow_steps:
+                inject(ours, "inf")
+            result = mp.step(opt_o)
+
+            assert result.stepped == (step not in overflow_steps)
+            assert result.scale == scaler.get_scale()
+            for a, b in zip(native.parameters(), ours.parameters()):
+                assert torch.equal(a, b), step
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "float32"])
+def test_every_policy_skips_nonfinite_steps(policy):
+    model = tiny_model()
+    mp = pa.MixedPrecision(policy, framework="torch", device="cpu")
+    mp.watch(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = next(batches(1))
+    with mp.autocast():
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    mp.backward(loss)
+    inject(model, "nan")
+    before = params_of(model)
+    result = mp.step(opt)
+    assert not result.stepped and result.nonfinite == ("0.weight",)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_guard_off_steps_through_nan():
+    model = tiny_model()
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch", guard=False, loss_scale="none")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = next(batches(1))
+    mp.backward(nn.functional.mse_loss(model(x), y))
+    inject(model, "nan")
+    assert mp.step(opt).stepped and torch.isnan(model[0].weight).any()
+    with pytest.raises(PolyampError, match="guard=False needs loss_scale='none'"):
+        pa.MixedPrecision("fp16-mixed", framework="torch", guard=False)
+
+
+def test_clipping_reports_the_unscaled_norm_and_clips():
+    model, reference = tiny_model(), tiny_model()
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", loss_scale=1024.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = next(batches(1))
+    mp.backward(nn.functional.mse_loss(model(x), y))
+    nn.functional.mse_loss(reference(x), y).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    result = mp.step(opt, clip_grad_norm=1e-3)
+    assert result.grad_norm == pytest.approx(float(expected), rel=1e-5)
+    total = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert float(total) == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_gradient_accumulation_matches_one_large_batch():
+    model, reference = tiny_model(), tiny_model()
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = next(batches(1, size=64))
+    for xs, ys in zip(x.chunk(4), y.chunk(4)):
+        mp.backward(nn.functional.mse_loss(model(xs), ys) / 4)
+    assert mp.step(opt).stepped
+    nn.functional.mse_loss(reference(x), y).backward()
+    opt_ref.step()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_several_optimizers_and_param_groups_step_or_skip_together():
+    model = tiny_model()
+    opt_a = torch.optim.SGD([{"params": model[0].parameters(), "lr": 0.1},
+                             {"params": [model[2].weight], "lr": 0.01}])  # fmt: skip
+    opt_b = torch.optim.Adam([model[2].bias], lr=0.1)
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch")
+    mp.watch(model)
+    x, y = next(batches(1))
+    mp.backward(nn.functional.mse_loss(model(x), y))
+    model[2].bias.grad[0] = math.inf
+    before = params_of(model)
+    result = mp.step([opt_a, opt_b])
+    assert not result.stepped and result.nonfinite == ("2.bias",)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert result.scale == 2.0**15
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    mp.backward(nn.functional.mse_loss(model(x), y))
+    assert mp.step([opt_a, opt_b]).stepped
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# -- fault injection -------------------------------------------------------------------------------
+def test_fault_injection_2000_steps():
+    rng = np.random.default_rng(0)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ls = pa.DynamicLossScale(growth_interval=50)
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", loss_scale=ls)
+    injected = skipped = 0
+    for x, y in batches(2000, size=8):
+        opt.zero_grad()
+        mp.backward(nn.functional.mse_loss(model(x), y))
+        if rng.random() < 0.05:
+            injected += 1
+            grad = list(model.parameters())[rng.integers(4)].grad
+            grad.view(-1)[rng.integers(grad.numel())] = rng.choice([math.inf, -math.inf, math.nan])
+        result = mp.step(opt)
+        skipped += not result.stepped
+        assert ls.min_scale <= result.scale <= ls.max_scale
+    assert injected > 60 and skipped == injected
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_too_many_consecutive_skips_raise_naming_the_origin():
+    model = tiny_model()
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch",
+                           loss_scale=pa.DynamicLossScale(max_consecutive_skips=5))  # fmt: skip
+    mp.watch(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = next(batches(1))
+    for i in range(5):
+        mp.backward(nn.functional.mse_loss(model(x), y))
+        inject(model, "nan")
+        if i < 4:
+            assert not mp.step(opt).stepped
+    with pytest.raises(NonFiniteError, match="0.weight"):
+        mp.step(opt)
+
+
+def test_debug_names_the_first_module_with_a_nonfinite_output():
+    class Log(nn.Module):
+        def forward(self, x):
+            return torch.log(x - x.max())  # log(0) = -inf at the maximum
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), Log(), nn.Linear(4, 1))
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch", debug=True)
+    mp.watch(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mp.backward(model(torch.randn(2, 8)).sum())
+    result = mp.step(opt)
+    assert not result.stepped and result.origin == "forward output of 1"
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+RESUME = textwrap.dedent(
+    """
+    import sys, torch, polyamp as pa
+    from torch import nn
+    mode, path, start, stop = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu",
+                           loss_scale=pa.DynamicLossScale(growth_interval=3))
+    if mode == "resume":
+        ckpt = torch.load(path)
+        model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["opt"])
+        mp.load_state_dict(ckpt["mp"])
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randn(16, 8, generator=g) for _ in range(stop)]
+    for step in range(start, stop):
+        x = data[step]
+        opt.zero_grad()
+        with mp.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True).sin())
+        mp.backward(loss)
+        if step % 7 == 3:
+            model[0].weight.grad[0, 0] = float("inf")
+        mp.step(opt)
+    if mode == "save":
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "mp": mp.state_dict()}, path)
+    else:
+        torch.save({"params": [p.detach() for p in model.parameters()], "scale": mp.scale,
+                    "state": mp.state_dict()}, path + ".final")
+    """
+)
+
+
+def test_resume_in_a_new_process_is_bit_identical(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(RESUME)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+    def run(*args):
+        subprocess.run([sys.executable, str(script), *map(str, args)], check=True, env=env)
+
+    run("full", tmp_path / "full", 0, 40)
+    run("save", tmp_path / "ckpt", 0, 17)
+    run("resume", tmp_path / "ckpt", 17, 40)
+    full = torch.load(tmp_path / "full.final")
+    resumed = torch.load(tmp_path / "ckpt.final")
+    assert full["scale"] == resumed["scale"] and full["state"] == resumed["state"]
+    assert all(torch.equal(a, b) for a, b in zip(full["params"], resumed["params"]))
+
+
+def test_state_dict_round_trip_and_policy_mismatch():
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch")
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp.backward(model(torch.randn(2, 8)).sum())
+    inject(model, "inf")
+    mp.step(opt)
+    saved = copy.deepcopy(mp.state_dict())
+    other = pa.MixedPrecision("fp16-mixed", framework="torch")
+    other.load_state_dict(saved)
+    assert other.state == mp.state and other.scale == 2.0**15
+    with pytest.raises(PolyampError, match="saved with policy 'fp16-mixed'"):
+        pa.MixedPrecision("bf16-mixed", framework="torch").load_state_dict(saved)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_bad_input_is_one_clear_error_and_changes_nothing():
+    with pytest.raises(PolyampError, match="'fp17'"):
+        pa.MixedPrecision("fp17")
+    model = tiny_model()
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PolyampError, match="loss must be a floating-point torch tensor"):
+        mp.backward(torch.tensor(3))
+    with pytest.raises(PolyampError, match="no parameter has a gradient"):
+        mp.step(opt)
+    empty = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    empty.param_groups[0]["params"] = []
+    with pytest.raises(PolyampError, match="has no parameters"):
+        mp.step(empty)
+    with pytest.raises(PolyampError, match="clip_grad_norm must be a positive number"):
+        mp.step(opt, clip_grad_norm=-1)
+    assert mp.state == mp.loss_scale.init()
+
+
+def test_objects_of_another_framework_are_refused():
+    import jax.numpy as jnp
+
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch")
+    with pytest.raises(PolyampError, match="drives torch, but loss is a jax object"):
+        mp.backward(jnp.ones(()))
+    with pytest.raises(PolyampError, match="must be a tensor/model/optimizer"):
+        mp.watch(object())
