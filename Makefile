@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU wheel; any other version pulls a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[fast,torch,tensorflow,jax,dev,bench]"
+	$(PY) -m pip install --quiet -e ".[fast,torch,tensorflow,jax,dev,bench,compare]"
 	touch $(STAMP)
 
+# The main job: every installed framework, workload and policy side by side (about 3 minutes here).
 demo: venv
-	$(PY) -m polyamp formats
 	$(PY) -m polyamp cast 68.00000356923152 --to fp16,bf16,e4m3fn,e5m2,e2m1fn
-	$(PY) -m polyamp cast 464 --to e4m3fn,e4m3fnuz,e5m2
+	$(PY) -m polyamp compare --out compare-report
 
 test: venv
 	$(PY) -m ruff check src tests benchmarks examples

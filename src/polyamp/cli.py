@@ -27,10 +27,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None, help="seed for stochastic rounding")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
+    p = sub.add_parser("compare", help="the same workloads on every installed framework and policy")
+    p.add_argument("--frameworks", help="comma-separated (default: every installed one)")
+    p.add_argument("--workloads", help="comma-separated: mlp, charlm, digits (default: all)")
+    p.add_argument("--policies", help="comma-separated (default: float32,bf16-mixed,fp16-mixed)")
+    p.add_argument("--steps", type=int, help="training steps per case (default: per workload)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
+    p.add_argument("--budget", type=float, default=25.0, help="seconds of training per case before capping")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is abandoned")
+    p.add_argument("--out", default="compare-report", help="output folder (default: compare-report)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
     args = parser.parse_args(argv)
     try:
         if args.command == "formats":
             return _formats(args)
+        if args.command == "compare":
+            from .compare.cli import compare
+
+            return compare(args)
         return _cast(args)
     except PolyampError as err:
         print(f"polyamp: error: {err}", file=sys.stderr)

@@ -1,0 +1,1 @@
+"""``polyamp compare``: the same workloads on every installed framework and policy, side by side."""

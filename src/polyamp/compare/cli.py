@@ -1,0 +1,69 @@
+"""``polyamp compare``: plan, run with a progress bar, report."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime, timezone
+
+from . import runner
+
+
+def _split(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def compare(args) -> int:
+    cases = runner.plan(_split(args.frameworks), _split(args.workloads), _split(args.policies))
+    started = time.perf_counter()
+    records = _run_with_progress(cases, args)
+    from .report import terminal_table, write_report
+
+    settings = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "polyamp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("polyamp") else None,
+        "quick": args.quick,
+        "steps": args.steps,
+        "budget_s": args.budget,
+        "timeout_s": args.timeout,
+        "machine": runner.machine(),
+        "versions": {r["framework"]: r.get("framework_version") for r in records},
+        "total_s": round(time.perf_counter() - started, 1),
+    }
+    paths = write_report(records, settings, args.out)
+    if args.json:
+        print(json.dumps(json.loads(open(paths["json"]).read()), indent=2))
+        return 0
+    report = json.loads(open(paths["json"]).read())
+    print(terminal_table(report["rows"]))
+    print(f"\n{len(records)} cases in {settings['total_s']:.0f} s. Report: {paths['markdown']}")
+    print("Plots: " + ", ".join(str(p) for p in paths["plots"]))
+    return 0
+
+
+def _run_with_progress(cases, args):
+    kwargs = dict(quick=args.quick, steps=args.steps, budget=args.budget, timeout=args.timeout)
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+
+        def show(i, case, record):
+            if record is None:
+                print(f"[{i + 1}/{len(cases)}] {' '.join(case)} ...", file=sys.stderr, flush=True)
+
+        return runner.run(cases, progress=show, **kwargs)
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn()]  # fmt: skip
+    from rich.console import Console
+
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task("compare", total=len(cases))
+
+        def show(i, case, record):
+            if record is None:
+                bar.update(task, description=f"{case[0]} {case[1]} {case[2]}")
+            else:
+                bar.advance(task)
+
+        return runner.run(cases, progress=show, **kwargs)
