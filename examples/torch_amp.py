@@ -60,7 +60,7 @@ def train_with_polyamp(policy: str, steps: int, overflow_every: int = 0) -> dict
         result = mp.step(optimizer)
         skipped += not result.stepped
         losses.append(float(loss.detach()))
-    return {"first_loss": losses[0], "last_loss": losses[-1], "skipped": skipped, "scale": mp.scale}
+    return {"first_loss": losses[0], "last_loss": losses[-1], "skipped": skipped, "scale": mp.current_scale}
 
 
 def scaler_inside_the_loop(steps: int, overflow_every: int) -> list[float]:

@@ -580,3 +580,40 @@ def test_importing_policy_and_scaling_imports_no_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- the traced form (for jit / tf.function) -------------------------------------------------------
+@pytest.mark.parametrize("name", ["polyamp", "torch", "keras", "jmp", "deepspeed"])
+def test_update_arrays_equals_update(name):
+    from polyamp.scaling import state_arrays, state_from_arrays
+
+    ls = dataclasses.replace(DynamicLossScale.preset(name), growth_interval=3)
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for p_finite in (0.3, 0.7, 0.95):
+            state = ls.init()
+            arrays = state_arrays(state, np)
+            for finite in rng.random(600) < p_finite:
+                state = ls.update(state, bool(finite))
+                arrays = ls.update_arrays(arrays, np.asarray(finite), np)
+                if state.scale > 2.0**127:  # float64-scaled presets outgrow a float32 scale
+                    break
+                assert dataclasses.replace(state_from_arrays(arrays), next_scale=None) == state
+
+
+def test_update_arrays_runs_under_jax_jit():
+    import jax
+    import jax.numpy as jnp
+
+    from polyamp.scaling import state_arrays, state_from_arrays
+
+    ls = DynamicLossScale(growth_interval=2, hysteresis=2)
+    step = jax.jit(lambda s, f: ls.update_arrays(s, f, jnp))
+    state, arrays = ls.init(), state_arrays(ls.init(), jnp)
+    for finite in [True, False, False, True, True, True, False, True, True]:
+        state = ls.update(state, finite)
+        arrays = step(arrays, jnp.asarray(finite))
+        assert state_from_arrays(arrays) == state
+    with pytest.raises(PolyampError, match="one_step_lag"):
+        DynamicLossScale.preset("mxnet").update_arrays(arrays, jnp.asarray(True), jnp)

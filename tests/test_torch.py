@@ -271,7 +271,7 @@ RESUME = textwrap.dedent(
     if mode == "save":
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "mp": mp.state_dict()}, path)
     else:
-        torch.save({"params": [p.detach() for p in model.parameters()], "scale": mp.scale,
+        torch.save({"params": [p.detach() for p in model.parameters()], "scale": mp.current_scale,
                     "state": mp.state_dict()}, path + ".final")
     """
 )

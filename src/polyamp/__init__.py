@@ -4,7 +4,7 @@ Importing polyamp imports numpy and ml_dtypes only; each framework is imported b
 first used.
 """
 
-from .errors import NonFiniteError, PolyampError
+from .errors import NonFiniteError, PolyampError, UnsupportedError
 from .numerics import FORMATS, ROUNDINGS, FloatFormat, decode, encode, get_format, quantize
 from .policy import Policy
 from .scaling import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
@@ -25,6 +25,7 @@ __all__ = [
     "PolyampError",
     "StaticLossScale",
     "StepResult",
+    "UnsupportedError",
     "decode",
     "encode",
     "get_format",

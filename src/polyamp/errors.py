@@ -9,6 +9,12 @@ class PolyampError(ValueError):
     """Bad input or an unsupported request; the message names what was received and what to do."""
 
 
+class UnsupportedError(PolyampError):
+    """The framework cannot honour the request on this machine (e.g. MXNet fp16 without cuDNN)."""
+
+    unsupported = True
+
+
 class NonFiniteError(PolyampError):
     """Training produced non-finite gradients for too many consecutive steps."""
 

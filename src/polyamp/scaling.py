@@ -92,6 +92,29 @@ def _counted(state: LossScaleState, finite: bool, **changes: Any) -> LossScaleSt
     return LossScaleState(**{**state.as_dict(), **counters, **changes})
 
 
+def _counted_arrays(state: dict, finite, xp) -> dict:
+    """The counters of :func:`_counted`, with array selects."""
+    return {
+        "good_steps": xp.where(finite, state["good_steps"] + 1, 0),
+        "skipped_in_a_row": xp.where(finite, 0, state["skipped_in_a_row"] + 1),
+        "steps": state["steps"] + 1,
+        "skipped": state["skipped"] + xp.where(finite, 0, 1),
+    }
+
+
+def state_arrays(state: LossScaleState, xp) -> dict:
+    """A state as 0-d arrays for :meth:`update_arrays`: float32 scale, int32 counters."""
+    ints = ("good_steps", "hysteresis_left", "skipped_in_a_row", "steps", "skipped")
+    return {"scale": xp.asarray(state.scale, dtype=xp.float32),
+            **{k: xp.asarray(getattr(state, k), dtype=xp.int32) for k in ints}}  # fmt: skip
+
+
+def state_from_arrays(arrays: dict) -> LossScaleState:
+    """The inverse of :func:`state_arrays` (host values)."""
+    return LossScaleState(scale=float(arrays["scale"]),
+                          **{k: int(v) for k, v in arrays.items() if k != "scale"})  # fmt: skip
+
+
 def _number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -115,6 +138,16 @@ class _LossScale:
             value = getattr(self, name)
             if not ok(value):
                 raise PolyampError(f"{type(self).__name__} {name} must be {accepted}; received {value!r}")
+
+    def update_arrays(self, state: dict, finite, xp) -> dict:
+        """:meth:`update` written with array operations only, for inside ``jit``/``tf.function``.
+
+        ``state`` maps the fields of :class:`LossScaleState` (less ``next_scale``) to 0-d arrays
+        (the scale as float32); ``finite`` is a 0-d bool array; ``xp`` is the array namespace
+        (``numpy``, ``jax.numpy``, ``tensorflow.experimental.numpy``). Selects replace branches,
+        so the whole step stays in one compiled graph; the result equals :meth:`update`'s.
+        """
+        return {**state, **_counted_arrays(state, finite, xp)}
 
     def check(self, state: LossScaleState, where: str | None = None) -> None:
         """Raise NonFiniteError once ``max_consecutive_skips`` steps in a row were not finite.
@@ -331,6 +364,35 @@ class DynamicLossScale(_LossScale):
             good_steps=good_steps,
             hysteresis_left=hysteresis_left,
         )
+
+    def update_arrays(self, state: dict, finite, xp) -> dict:
+        """The rule of :meth:`update` with array selects (see ``_LossScale.update_arrays``).
+
+        The scale is float32 here, which is what the torch, keras and jmp presets model anyway
+        (``float32-ftz`` also flushes a subnormal scale to 0). ``one_step_lag`` (MXNet, an eager
+        framework) has no traced form.
+        """
+        if self.one_step_lag:
+            raise PolyampError("one_step_lag (the mxnet preset) has no traced form; use update()")
+        scale, good, hyst = state["scale"], state["good_steps"], state["hysteresis_left"]
+        good = xp.where(finite, good + 1, -self.growth_delay)
+        if self.consecutive_hysteresis:
+            hyst = xp.where(finite, self.hysteresis, hyst)
+        grow = finite & (good >= self.growth_interval)
+        grown = xp.minimum(scale * self.growth_factor, xp.asarray(self.max_scale, dtype=scale.dtype))
+        if not self.allow_inf_scale:
+            grown = xp.where(xp.isfinite(grown), grown, scale)
+        new = xp.where(grow, grown, scale)
+        good = xp.where(grow, 0, good)
+        hyst = xp.where(grow, self.hysteresis, hyst)
+        back = ~finite & (hyst <= 1)
+        shrunk = xp.maximum(scale * self.backoff_factor, xp.asarray(self.min_scale, dtype=scale.dtype))
+        new = xp.where(back, shrunk, new)
+        if self.scale_dtype == "float32-ftz":
+            new = xp.where(xp.abs(new) < _F32_TINY, xp.zeros_like(new), new)
+        hyst = xp.where(~finite & (hyst > 1), hyst - 1, hyst)
+        counters = _counted_arrays(state, finite, xp)
+        return {**state, **counters, "scale": new, "good_steps": good, "hysteresis_left": hyst}
 
 
 _INF = math.inf

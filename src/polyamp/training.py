@@ -126,13 +126,32 @@ class MixedPrecision:
             )
         return get_backend(name)
 
+    def _use(self, name: str):
+        """Bind to a framework by name, for idioms that are handed no framework object."""
+        if self.framework is None:
+            get_backend(name)
+            self.framework = name
+        elif self.framework != name:
+            raise PolyampError(
+                f"this MixedPrecision drives {self.framework}; that call is {name}'s idiom. "
+                "Use one MixedPrecision per framework"
+            )
+        return get_backend(name)
+
     @property
-    def scale(self) -> float:
+    def current_scale(self) -> float:
+        """The loss scale the next backward pass multiplies by."""
         return float(self.state.scale)
 
     # -- the eager (PyTorch, MXNet) idiom ------------------------------------------------------------
-    def autocast(self, *, device: str | None = None, enabled: bool = True):
-        """Context manager: ops inside run in the policy's compute dtype where that is safe."""
+    def autocast(self, fn=None, *, device: str | None = None, enabled: bool = True):
+        """Ops in the policy's compute dtype where that is safe.
+
+        Without ``fn``: a context manager (PyTorch, MXNet). With a function (JAX): the function
+        rewritten so its matmuls and convolutions run in the compute dtype.
+        """
+        if fn is not None:
+            return self._use("jax").autocast_fn(self, fn, enabled=enabled)
         if not enabled:
             return contextlib.nullcontext()
         return self.backend.autocast(self.policy, device or self.device)
@@ -140,12 +159,14 @@ class MixedPrecision:
     def backward(self, loss: Any, **kwargs) -> None:
         """Backpropagate ``loss * scale``; call once per micro-batch to accumulate gradients."""
         backend = self._bind(loss, "loss")
-        backend.scale_loss(loss, self.scale).backward(**kwargs)
+        backend.scale_loss(loss, self.current_scale).backward(**kwargs)
 
-    def step(self, optimizer: Any, clip_grad_norm: float | None = None) -> StepResult:
+    def step(self, optimizer: Any, batch_size: int | None = None, clip_grad_norm: float | None = None
+             ) -> StepResult:  # fmt: skip
         """Unscale, check, clip, step or skip, update the scale (see the module docstring).
 
         ``optimizer`` may be a list: one check over all of them, all step or none, one update.
+        ``batch_size`` is for MXNet's ``Trainer.step(batch_size)``.
         """
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         if not optimizers:
@@ -160,13 +181,13 @@ class MixedPrecision:
         grads, params = backend.gradients(optimizers)
         finite = True
         if self.guard:
-            finite = backend.unscale_and_check(grads, 1.0 / self.scale, self.process_group)
+            finite = backend.unscale_and_check(grads, 1.0 / self.current_scale, self.process_group)
         grad_norm = None
         nonfinite: tuple[str, ...] = ()
         if finite:
             if clip_grad_norm is not None:
                 grad_norm = backend.clip(grads, params, float(clip_grad_norm))
-            backend.apply(optimizers)
+            backend.apply(optimizers, batch_size)
         else:
             nonfinite = backend.nonfinite([(self._name(p, i), g) for i, (p, g) in
                                            enumerate(zip(params, grads))])  # fmt: skip
@@ -174,7 +195,7 @@ class MixedPrecision:
         self._origin.clear()
         self.state = self.loss_scale.update(self.state, finite)
         self.loss_scale.check(self.state, where=origin)
-        return StepResult(finite, self.scale, grad_norm, nonfinite, origin)
+        return StepResult(finite, self.current_scale, grad_norm, nonfinite, origin)
 
     def watch(self, model: Any) -> Any:
         """Learn the model's parameter names (for ``StepResult.nonfinite``) and, with
@@ -187,6 +208,46 @@ class MixedPrecision:
 
     def _name(self, param: Any, index: int) -> str:
         return self._names.get(id(param), f"param[{index}]")
+
+    # -- the Keras / TensorFlow idiom (backends/tensorflow.py) --------------------------------------
+    def scope(self):
+        """Context manager: Keras layers built inside it take the policy's dtype policy."""
+        return self._use("tensorflow").scope(self)
+
+    def optimizer(self, optimizer: Any):
+        """A Keras optimizer for ``compile``/``fit`` that scales, checks and skips as polyamp does."""
+        return self._bind(optimizer, "optimizer").wrap_optimizer(self, optimizer)
+
+    def scale(self, loss: Any):
+        """``loss * scale`` for a custom ``GradientTape`` loop (usable inside ``tf.function``)."""
+        return self._bind(loss, "loss").scale(self, loss)
+
+    def apply(self, optimizer: Any, grads: Any, variables: Any, clip_grad_norm: float | None = None):
+        """Unscale, check, clip, apply or skip, update the scale; returns a ``StepResult``."""
+        backend = self._bind(optimizer, "optimizer")
+        return backend.apply_gradients(self, optimizer, grads, variables, clip_grad_norm)
+
+    # -- the JAX idiom (backends/jax.py): functional, state passed in and out --------------------
+    def init(self):
+        """The loss-scale state as a pytree, to thread through a jitted train step."""
+        return self._use("jax").init_state(self)
+
+    def grad(self, fn, **kwargs):
+        """Like ``jax.grad`` of a scalar loss, returning ``(grads, finite, new_state)``."""
+        return self._use("jax").grad(self, fn, **kwargs)
+
+    def value_and_grad(self, fn, **kwargs):
+        """Like ``jax.value_and_grad``, returning ``((value, grads), finite, new_state)``."""
+        return self._use("jax").value_and_grad(self, fn, **kwargs)
+
+    # -- the MXNet Gluon idiom (backends/mxnet.py) -------------------------------------------------
+    def trainer(self, trainer: Any):
+        """Prepare a ``gluon.Trainer`` for loss scaling (it must not update on the kvstore)."""
+        return self._bind(trainer, "trainer").wrap_trainer(self, trainer)
+
+    def scale_loss(self, loss: Any, trainer: Any):
+        """Context manager yielding ``loss * scale`` to backpropagate."""
+        return self._bind(loss, "loss").scale_loss_context(self, loss, trainer)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -212,4 +273,4 @@ class MixedPrecision:
 
     def __repr__(self) -> str:
         return (f"MixedPrecision({self.policy.name!r}, framework={self.framework!r}, "
-                f"scale={self.scale:g})")  # fmt: skip
+                f"scale={self.current_scale:g})")  # fmt: skip

@@ -58,9 +58,43 @@ class Backend:
         """Names of the gradients that hold inf or NaN (only called after a failed check)."""
         raise self._unsupported("nonfinite")
 
-    def apply(self, optimizers: Sequence[Any]) -> None:
-        """Run the optimizers' update."""
+    def apply(self, optimizers: Sequence[Any], batch_size: int | None = None) -> None:
+        """Run the optimizers' update (``batch_size``: MXNet's ``Trainer.step`` argument)."""
         raise self._unsupported("apply")
+
+    # -- framework idioms: MixedPrecision delegates to these (see training.py) -----------------
+    # Keras / TensorFlow
+    def scope(self, mp):
+        raise self._unsupported("scope() (the Keras idiom)")
+
+    def wrap_optimizer(self, mp, optimizer):
+        raise self._unsupported("optimizer() (the Keras idiom)")
+
+    def scale(self, mp, loss):
+        raise self._unsupported("scale(loss) (the Keras custom-loop idiom)")
+
+    def apply_gradients(self, mp, optimizer, grads, variables, clip_grad_norm):
+        raise self._unsupported("apply(optimizer, grads, variables) (the Keras custom-loop idiom)")
+
+    # JAX
+    def autocast_fn(self, mp, fn, enabled: bool = True):
+        raise self._unsupported("autocast(fn) (the JAX idiom)")
+
+    def init_state(self, mp):
+        raise self._unsupported("init() (the JAX idiom)")
+
+    def grad(self, mp, fn, **kwargs):
+        raise self._unsupported("grad(fn) (the JAX idiom)")
+
+    def value_and_grad(self, mp, fn, **kwargs):
+        raise self._unsupported("value_and_grad(fn) (the JAX idiom)")
+
+    # MXNet Gluon
+    def wrap_trainer(self, mp, trainer):
+        raise self._unsupported("trainer() (the MXNet idiom)")
+
+    def scale_loss_context(self, mp, loss, trainer):
+        raise self._unsupported("scale_loss(loss, trainer) (the MXNet idiom)")
 
     # -- names and debugging --------------------------------------------------------------------
     def parameter_names(self, model: Any) -> dict[int, str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..errors import PolyampError
+from ..errors import PolyampError, UnsupportedError
 from ._base import Backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -39,7 +39,7 @@ class TorchBackend(Backend):
             ctx = torch.autocast(device, dtype=dtype)
         if not ctx._enabled:
             reason = "; ".join(str(w.message).splitlines()[0] for w in caught) or "unsupported"
-            raise PolyampError(
+            raise UnsupportedError(
                 f"torch cannot autocast to {policy.compute_dtype} on {device!r} here ({reason}); "
                 "accepted: bf16 or fp16 on 'cpu', fp16 (and bf16 where supported) on 'cuda'"
             )
@@ -104,7 +104,9 @@ class TorchBackend(Backend):
     def nonfinite(self, named_grads) -> tuple[str, ...]:
         return tuple(name for name, g in named_grads if not bool(torch.isfinite(g).all()))
 
-    def apply(self, optimizers) -> None:
+    def apply(self, optimizers, batch_size=None) -> None:
+        if batch_size is not None:
+            raise PolyampError("batch_size is for MXNet trainers; torch optimizers take no batch size")
         for opt in optimizers:
             opt.step()
 

@@ -42,7 +42,7 @@ def run_case(framework: str, workload: str, policy: str, quick: bool, steps: int
         losses.append(trainer.step(i))
         elapsed = time.perf_counter() - t0
         spent += elapsed
-        scales.append(trainer.mp.scale)
+        scales.append(trainer.mp.current_scale)
         skipped += not trainer.last.stepped
         if i > 0:
             times.append(elapsed)
