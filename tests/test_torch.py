@@ -304,7 +304,7 @@ def test_state_dict_round_trip_and_policy_mismatch():
     saved = copy.deepcopy(mp.state_dict())
     other = pa.MixedPrecision("fp16-mixed", framework="torch")
     other.load_state_dict(saved)
-    assert other.state == mp.state and other.scale == 2.0**15
+    assert other.state == mp.state and other.current_scale == 2.0**15
     with pytest.raises(PolyampError, match="saved with policy 'fp16-mixed'"):
         pa.MixedPrecision("bf16-mixed", framework="torch").load_state_dict(saved)
 
@@ -326,6 +326,11 @@ def test_bad_input_is_one_clear_error_and_changes_nothing():
         mp.step(empty)
     with pytest.raises(PolyampError, match="clip_grad_norm must be a positive number"):
         mp.step(opt, clip_grad_norm=-1)
+    mp.backward(model(torch.randn(2, 8)).sum())
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(PolyampError, match="batch_size=4 is for MXNet"):
+        mp.step(opt, 4)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
     assert mp.state == mp.loss_scale.init()
 
 

@@ -40,6 +40,17 @@ class StepResult:
     nonfinite: tuple[str, ...] = ()
     origin: str | None = None
 
+    # tf.nest protocol, so that a tf.function can return the StepResult of ``mp.apply`` (whose
+    # stepped/scale/grad_norm are tensors there); names and the None-ness of grad_norm are static.
+    def __tf_flatten__(self):
+        values = (self.stepped, self.scale) + (() if self.grad_norm is None else (self.grad_norm,))
+        return (self.grad_norm is None, self.nonfinite, self.origin), values
+
+    @classmethod
+    def __tf_unflatten__(cls, metadata, values):
+        no_norm, nonfinite, origin = metadata
+        return cls(values[0], values[1], None if no_norm else values[2], nonfinite, origin)
+
 
 def make_loss_scale(spec, policy: Policy):
     """None: dynamic (polyamp defaults) when the policy needs scaling, else none; a preset name;
@@ -74,6 +85,10 @@ class MixedPrecision:
     ``process_group`` is the group whose ranks must agree on skipping (default: the world).
     """
 
+    # Where a backend keeps the loss-scale state in framework variables (TensorFlow: tf.Variables
+    # updated inside tf.function), an object with read() -> LossScaleState and write(state).
+    _state_store: Any = None
+
     def __init__(self, policy: str | Policy = "bf16-mixed", *, loss_scale=None,
                  framework: str | None = None, device: str | None = None, guard: bool = True,
                  debug: bool = False, process_group: Any = None):  # fmt: skip
@@ -95,6 +110,19 @@ class MixedPrecision:
         self._names: dict[int, str] = {}
         self._origin: list[str] = []
         self._hooks: list[Any] = []
+        if self.framework is not None:
+            get_backend(self.framework).attach(self)  # MXNet: amp.init, before the network is built
+
+    @property
+    def state(self):
+        """The loss-scale state (a ``LossScaleState``); read from the backend's variables, if any."""
+        return self._state if self._state_store is None else self._state_store.read()
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
+        if self._state_store is not None:
+            self._state_store.write(value)
 
     # -- which framework ---------------------------------------------------------------------------
     @property
@@ -144,14 +172,17 @@ class MixedPrecision:
         return float(self.state.scale)
 
     # -- the eager (PyTorch, MXNet) idiom ------------------------------------------------------------
-    def autocast(self, fn=None, *, device: str | None = None, enabled: bool = True):
+    def autocast(self, fn=None, *, device: str | None = None, enabled: bool = True, rules: Any = None):
         """Ops in the policy's compute dtype where that is safe.
 
         Without ``fn``: a context manager (PyTorch, MXNet). With a function (JAX): the function
-        rewritten so its matmuls and convolutions run in the compute dtype.
+        rewritten so its matmuls and convolutions run in the compute dtype; ``rules`` (JAX only)
+        is an ``AutocastRules`` table (``polyamp.backends.jax_autocast``).
         """
         if fn is not None:
-            return self._use("jax").autocast_fn(self, fn, enabled=enabled)
+            return self._use("jax").autocast_fn(self, fn, enabled=enabled, rules=rules)
+        if rules is not None:
+            raise PolyampError("rules= applies to JAX's mp.autocast(fn); pass the function to rewrite")
         if not enabled:
             return contextlib.nullcontext()
         return self.backend.autocast(self.policy, device or self.device)
@@ -174,6 +205,17 @@ class MixedPrecision:
         backend = self._bind(optimizers[0], "optimizer")
         for opt in optimizers[1:]:
             self._bind(opt, "optimizer")
+        if batch_size is not None and self.framework != "mxnet":
+            raise PolyampError(
+                f"batch_size={batch_size!r} is for MXNet's Trainer.step; {self.framework} optimizers take none"
+            )
+        if self.framework == "mxnet" and not (
+            isinstance(batch_size, (int, float)) and not isinstance(batch_size, bool) and batch_size > 0
+        ):
+            raise PolyampError(
+                "MXNet's Trainer divides the gradients by the batch size: call mp.step(trainer, batch_size) "
+                f"with a positive number (1 when the loss is already a mean); got batch_size={batch_size!r}"
+            )
         if clip_grad_norm is not None and not (
             isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
         ):
@@ -239,6 +281,12 @@ class MixedPrecision:
     def value_and_grad(self, fn, **kwargs):
         """Like ``jax.value_and_grad``, returning ``((value, grads), finite, new_state)``."""
         return self._use("jax").value_and_grad(self, fn, **kwargs)
+
+    def sync(self, state):
+        """Adopt a JAX loss-scale state (from ``init``/``grad``) as ``self.state``, so that
+        ``state_dict()`` and ``current_scale`` reflect it; raises ``NonFiniteError`` after too many
+        consecutive skipped steps. One small device-to-host transfer."""
+        return self._use("jax").sync(self, state)
 
     # -- the MXNet Gluon idiom (backends/mxnet.py) -------------------------------------------------
     def trainer(self, trainer: Any):

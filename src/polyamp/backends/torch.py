@@ -105,8 +105,6 @@ class TorchBackend(Backend):
         return tuple(name for name, g in named_grads if not bool(torch.isfinite(g).all()))
 
     def apply(self, optimizers, batch_size=None) -> None:
-        if batch_size is not None:
-            raise PolyampError("batch_size is for MXNet trainers; torch optimizers take no batch size")
         for opt in optimizers:
             opt.step()
 

@@ -30,12 +30,12 @@ def interpreter(framework: str) -> str | None:
     """The Python that runs a framework's cases, or None where the framework is not installed.
 
     MXNet needs numpy < 1.24 and lives in its own environment (``.venv-mxnet``)."""
+    if not _has_module(f"polyamp.compare.{framework}"):
+        return None
     if framework == "mxnet":
         path = Path(os.environ.get("POLYAMP_MXNET_PYTHON", MXNET_PYTHON))
         return str(path) if path.exists() else None
-    if not _has_module(framework) or not _has_module(f"polyamp.compare.{framework}"):
-        return None
-    return sys.executable
+    return sys.executable if _has_module(framework) else None
 
 
 def _has_module(name: str) -> bool:
