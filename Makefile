@@ -4,10 +4,15 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# MXNet 1.9.1 (retired upstream; the last release) needs numpy < 1.24, so it has its own environment;
+# `polyamp compare` runs its cases with that interpreter.
+MXNET_VENV := .venv-mxnet
+MXNET_PY := $(MXNET_VENV)/bin/python
+MXNET_STAMP := $(MXNET_VENV)/.installed
 FRAMEWORKS ?= torch,tensorflow,jax
 export POLYAMP_TEST_FRAMEWORKS ?= $(FRAMEWORKS)
 
-.PHONY: demo test venv lint bench clean
+.PHONY: demo test venv venv-mxnet lint bench clean
 
 venv: $(STAMP)
 
@@ -19,17 +24,29 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[fast,torch,tensorflow,jax,dev,bench,compare]"
 	touch $(STAMP)
 
+venv-mxnet: $(MXNET_STAMP)
+
+$(MXNET_STAMP): pyproject.toml Makefile
+	test -x $(MXNET_PY) || $(PYTHON) -m venv $(MXNET_VENV)
+	$(MXNET_PY) -m pip install --quiet --upgrade pip
+	# scikit-learn: the digits workload of `polyamp compare`
+	$(MXNET_PY) -m pip install --quiet -e ".[mxnet,dev]" "numpy<1.24" scikit-learn
+	touch $(MXNET_STAMP)
+
 # The main job: every installed framework, workload and policy side by side (about 3 minutes here).
-demo: venv
+demo: venv venv-mxnet
 	$(PY) -m polyamp cast 68.00000356923152 --to fp16,bf16,e4m3fn,e5m2,e2m1fn
 	$(PY) -m polyamp compare --out compare-report
 
-test: venv
+test: venv venv-mxnet
 	$(PY) -m ruff check src tests benchmarks examples
-	$(PY) -m pytest -q
+	POLYAMP_REQUIRE_NUMBA=1 $(PY) -m pytest -q
+	# MXNet and polyamp's core under numpy 1.23, in MXNet's own environment
+	POLYAMP_TEST_FRAMEWORKS=mxnet $(MXNET_PY) -m pytest -q tests/test_mxnet.py tests/test_formats.py \
+		tests/test_rounding.py tests/test_policy.py tests/test_scaling.py tests/test_import.py
 
 bench: venv
 	$(PY) benchmarks/quantize.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(MXNET_VENV) build src/*.egg-info .pytest_cache

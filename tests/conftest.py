@@ -1,3 +1,6 @@
+import importlib.util
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -31,6 +34,9 @@ def implementation(request, monkeypatch):
         monkeypatch.setenv("POLYAMP_NO_NUMBA", "1")
     rounding._kernel.cache_clear()
     if request.param == "numba" and rounding.backend() != "numba":
+        # .venv-mxnet (numpy 1.23) has no numba; the Makefile sets POLYAMP_REQUIRE_NUMBA=1 for .venv
+        if importlib.util.find_spec("numba") is None and os.environ.get("POLYAMP_REQUIRE_NUMBA") != "1":
+            pytest.skip("numba is not installed in this environment (POLYAMP_REQUIRE_NUMBA=1 fails instead)")
         pytest.fail("numba is installed by the Makefile but the compiled kernel did not load")
     yield request.param
     monkeypatch.delenv("POLYAMP_NO_NUMBA", raising=False)

@@ -39,6 +39,9 @@ def test_quick_compare_covers_every_installed_framework(quick_report):
     assert {(c["framework"], c["workload"]) for c in cases} == {(f, w) for f in frameworks for w in WORKLOADS}
     assert {c["policy"] for c in cases} == {"float32", "bf16-mixed", "fp16-mixed"}
     for case in cases:
+        if (case["framework"], case["policy"]) == ("mxnet", "fp16-mixed"):  # needs cuDNN: reported, not run
+            assert case["status"] == "unsupported" and "cuDNN" in case["error"], case
+            continue
         assert case["status"] == "ok", case.get("error")
         assert len(case["losses"]) == case["steps"] == len(case["scales"])
         assert case["median_step_s"] > 0 and case["peak_rss_mb"] > 50
@@ -50,7 +53,7 @@ def test_speedups_are_recomputable_from_step_times(quick_report):
     out, _ = quick_report
     report = json.loads((out / "report.json").read_text())
     cases = {(c["framework"], c["workload"], c["policy"]): c for c in report["cases"]}
-    for row in report["rows"]:
+    for row in (r for r in report["rows"] if r["status"] == "ok"):
         base = cases[(row["framework"], row["workload"], "float32")]
         case = cases[(row["framework"], row["workload"], row["policy"])]
         expected = statistics.median(base["step_times"]) / statistics.median(case["step_times"])

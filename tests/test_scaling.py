@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
+from frameworks import require
 
 from polyamp.errors import NonFiniteError, PolyampError
 from polyamp.scaling import (
@@ -64,6 +64,7 @@ SEQUENCES = {
 
 def torch_scales(flags, **scaler_kwargs):
     """Drive a real GradScaler; inject inf into a gradient on the non-finite steps."""
+    torch = require("torch")
     model = torch.nn.Linear(3, 2, bias=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     stepped = []
@@ -118,7 +119,7 @@ def test_torch_preset_matches_gradscaler_at_the_default_interval():
 
 @pytest.fixture(scope="module")
 def keras():
-    import keras
+    keras = require("keras")
 
     assert keras.backend.backend() == "tensorflow", "these tests compare against the TF backend"
     return keras
@@ -603,8 +604,8 @@ def test_update_arrays_equals_update(name):
 
 
 def test_update_arrays_runs_under_jax_jit():
-    import jax
-    import jax.numpy as jnp
+    jax = require("jax")
+    jnp = jax.numpy
 
     from polyamp.scaling import state_arrays, state_from_arrays
 

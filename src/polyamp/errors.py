@@ -8,6 +8,10 @@ from collections.abc import Iterable
 class PolyampError(ValueError):
     """Bad input or an unsupported request; the message names what was received and what to do."""
 
+    # TensorFlow's autograph re-raises an error from inside a tf.function as its own type only if
+    # that type's __init__ is Exception's (otherwise it becomes a StagingError).
+    __init__ = Exception.__init__
+
 
 class UnsupportedError(PolyampError):
     """The framework cannot honour the request on this machine (e.g. MXNet fp16 without cuDNN)."""

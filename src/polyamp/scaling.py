@@ -379,14 +379,18 @@ class DynamicLossScale(_LossScale):
         if self.consecutive_hysteresis:
             hyst = xp.where(finite, self.hysteresis, hyst)
         grow = finite & (good >= self.growth_interval)
-        grown = xp.minimum(scale * self.growth_factor, xp.asarray(self.max_scale, dtype=scale.dtype))
+
+        def as_scale(value):  # numpy < 2 would promote a float32 scale times a float to float64
+            return xp.asarray(value, dtype=scale.dtype)
+
+        grown = xp.minimum(scale * as_scale(self.growth_factor), as_scale(self.max_scale))
         if not self.allow_inf_scale:
             grown = xp.where(xp.isfinite(grown), grown, scale)
         new = xp.where(grow, grown, scale)
         good = xp.where(grow, 0, good)
         hyst = xp.where(grow, self.hysteresis, hyst)
         back = ~finite & (hyst <= 1)
-        shrunk = xp.maximum(scale * self.backoff_factor, xp.asarray(self.min_scale, dtype=scale.dtype))
+        shrunk = xp.maximum(scale * as_scale(self.backoff_factor), as_scale(self.min_scale))
         new = xp.where(back, shrunk, new)
         if self.scale_dtype == "float32-ftz":
             new = xp.where(xp.abs(new) < _F32_TINY, xp.zeros_like(new), new)

@@ -199,7 +199,7 @@ class MixedPrecision:
         ``optimizer`` may be a list: one check over all of them, all step or none, one update.
         ``batch_size`` is for MXNet's ``Trainer.step(batch_size)``.
         """
-        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        optimizers = list(optimizer) if type(optimizer) in (list, tuple) else [optimizer]  # not NamedTuples
         if not optimizers:
             raise PolyampError("step() got an empty list of optimizers")
         backend = self._bind(optimizers[0], "optimizer")
@@ -207,7 +207,8 @@ class MixedPrecision:
             self._bind(opt, "optimizer")
         if batch_size is not None and self.framework != "mxnet":
             raise PolyampError(
-                f"batch_size={batch_size!r} is for MXNet's Trainer.step; {self.framework} optimizers take none"
+                f"batch_size={batch_size!r} is for MXNet's Trainer.step; "
+                f"{self.framework} optimizers take none"
             )
         if self.framework == "mxnet" and not (
             isinstance(batch_size, (int, float)) and not isinstance(batch_size, bool) and batch_size > 0
@@ -294,8 +295,8 @@ class MixedPrecision:
         return self._bind(trainer, "trainer").wrap_trainer(self, trainer)
 
     def scale_loss(self, loss: Any, trainer: Any):
-        """Context manager yielding ``loss * scale`` to backpropagate."""
-        return self._bind(loss, "loss").scale_loss_context(self, loss, trainer)
+        """Context manager yielding ``loss * scale`` (a list for a list of losses) to backpropagate."""
+        return self._bind(trainer, "trainer").scale_loss_context(self, loss, trainer)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

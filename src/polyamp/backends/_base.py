@@ -29,6 +29,10 @@ class Backend:
         """Cast a floating tensor to ``dtype`` ('float32', 'bfloat16', 'float16')."""
         raise self._unsupported("cast")
 
+    def attach(self, mp) -> None:
+        """Called when a ``MixedPrecision`` is created for this framework by name (MXNet sets up
+        its process-wide AMP here, before the network is built)."""
+
     # -- the training step --------------------------------------------------------------------------
     def autocast(self, policy, device: str | None):
         """A context manager running ops in the policy's compute dtype."""
@@ -77,7 +81,7 @@ class Backend:
         raise self._unsupported("apply(optimizer, grads, variables) (the Keras custom-loop idiom)")
 
     # JAX
-    def autocast_fn(self, mp, fn, enabled: bool = True):
+    def autocast_fn(self, mp, fn, enabled: bool = True, rules=None):
         raise self._unsupported("autocast(fn) (the JAX idiom)")
 
     def init_state(self, mp):
@@ -88,6 +92,9 @@ class Backend:
 
     def value_and_grad(self, mp, fn, **kwargs):
         raise self._unsupported("value_and_grad(fn) (the JAX idiom)")
+
+    def sync(self, mp, state):
+        raise self._unsupported("sync(state) (the JAX idiom)")
 
     # MXNet Gluon
     def wrap_trainer(self, mp, trainer):

@@ -93,7 +93,7 @@ class Workload:
         if self.name == "digits":
             return [self._digits["test"]]
         if self.name == "mlp":
-            return [self.batch_at(10_000 + i) for i in range(2)]
+            return [self.batch_at(10_000)]
         rng = np.random.default_rng(self.seed + 3)
         ids = self._heldout_ids
         return [
@@ -167,9 +167,9 @@ class Workload:
 
 
 _FULL = {
-    "mlp": dict(steps=30, batch=256, lr=1e-4, dims=(1024, 4096, 4096, 1024)),
-    "charlm": dict(steps=100, batch=32, lr=2e-3, d_model=256, layers=2, heads=4, context=64),
-    "digits": dict(steps=300, batch=64, lr=1e-3, dims=(64, 256, 128, 10), activation="relu"),
+    "mlp": dict(steps=20, batch=256, lr=1e-4, dims=(1024, 4096, 4096, 1024)),
+    "charlm": dict(steps=40, batch=32, lr=2e-3, d_model=256, layers=2, heads=4, context=64),
+    "digits": dict(steps=200, batch=64, lr=1e-3, dims=(64, 256, 128, 10), activation="relu"),
 }
 _QUICK = {
     "mlp": dict(steps=4, batch=32, lr=1e-3, dims=(64, 128, 128, 64)),

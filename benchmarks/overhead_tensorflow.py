@@ -1,0 +1,139 @@
+"""polyamp's step against native Keras mixed precision in TensorFlow: median step-time ratios.
+
+    python benchmarks/overhead_tensorflow.py [--repeats 15] [--fp16-repeats 7] [--models mlp,charlm]
+
+Models: the ``mlp`` and ``charlm`` workloads of ``polyamp compare`` at full size (1024-4096-4096-1024
+MLP, batch 256; 2-block character transformer, d 256, batch 32 x 64), Adam. Every contender has its
+own copy of the same model (built in ``mp.scope()``, so the layers and their dtype policies are
+identical), the same weights and the same batch; only the train step differs. Each step is one
+``tf.function`` call timed to the loss on the host; the contenders alternate (their order rotates
+every round) and medians are taken after one warm-up step each. Cases:
+- bf16: Keras ``mixed_bfloat16`` with the plain optimizer (no check) vs ``MixedPrecision("bf16-mixed")``
+  (guarded: it checks every gradient for inf/NaN, which native bf16 does not) and with ``guard=False``;
+- fp16: Keras ``mixed_float16`` with ``LossScaleOptimizer`` vs ``MixedPrecision("fp16-mixed",
+  loss_scale="keras")``. TensorFlow has no fp16 kernels for this CPU (Eigen fallback), so this
+  case is slow and gets fewer repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import warnings
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import polyamp as pa  # noqa: E402
+from polyamp.compare import tensorflow as tf_workloads  # noqa: E402
+from polyamp.compare.workloads import get_workload  # noqa: E402
+
+
+def build(name: str, policy: str):
+    wl = get_workload(name)
+    with pa.MixedPrecision(policy, framework="tensorflow").scope():
+        model = tf_workloads.CharLM(wl) if name == "charlm" else tf_workloads.mlp(wl)
+    x, y = wl.batch_at(0)
+    model(x[:1])
+    return model, x, y
+
+
+def loss_of(name, model, x, y):
+    out = tf.cast(model(x, training=True), tf.float32)
+    if name == "mlp":
+        return tf.reduce_mean(tf.square(out - y))
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, out))
+
+
+def native_step(name, policy, loss_scale_optimizer):
+    model, x, y = build(name, policy)
+    opt = keras.optimizers.Adam(1e-4)
+    if loss_scale_optimizer:
+        opt = keras.optimizers.LossScaleOptimizer(opt)
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        variables = model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = loss_of(name, model, x, y)
+            scaled = opt.scale_loss(loss)
+        opt.apply(tape.gradient(scaled, variables), variables)
+        return loss
+
+    return lambda: float(step(x, y))
+
+
+def polyamp_step(name, mp):
+    model, x, y = build(name, mp.policy.name)
+    opt = keras.optimizers.Adam(1e-4)
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        variables = model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = loss_of(name, model, x, y)
+            scaled = mp.scale(loss)
+        mp.apply(opt, tape.gradient(scaled, variables), variables)
+        return loss
+
+    return lambda: float(step(x, y))
+
+
+def compare(contenders: dict, repeats: int) -> dict:
+    """contenders: name -> step function; returns name -> median seconds."""
+    for fn in contenders.values():
+        fn()  # warm-up: traces the tf.function
+    times = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            contenders[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--fp16-repeats", type=int, default=7)
+    parser.add_argument("--models", default="mlp,charlm")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    print(
+        f"tensorflow {tf.__version__}, keras {keras.__version__}, Adam, tf.function steps, median step time"
+    )
+    print(f"{'model':8s} {'case':34s} {'native ms':>10s} {'polyamp ms':>11s} {'ratio':>7s}")
+    for name in args.models.split(","):
+        rows = []
+        bf16 = compare({
+            "native": native_step(name, "bf16-mixed", False),
+            "guarded": polyamp_step(name, pa.MixedPrecision("bf16-mixed", framework="tensorflow")),
+            "guard=False": polyamp_step(name, pa.MixedPrecision(
+                "bf16-mixed", framework="tensorflow", guard=False, loss_scale="none")),
+        }, args.repeats)  # fmt: skip
+        rows.append(("bf16 guarded vs mixed_bfloat16", bf16["native"], bf16["guarded"]))
+        rows.append(("bf16 guard=False vs mixed_bfloat16", bf16["native"], bf16["guard=False"]))
+        if args.fp16_repeats:
+            fp16 = compare({
+                "native": native_step(name, "fp16-mixed", True),
+                "polyamp": polyamp_step(name, pa.MixedPrecision(
+                    "fp16-mixed", framework="tensorflow", loss_scale="keras")),
+            }, args.fp16_repeats)  # fmt: skip
+            rows.append(("fp16 vs mixed_float16 + LSO", fp16["native"], fp16["polyamp"]))
+        for case, native, ours in rows:
+            print(
+                f"{name:8s} {case:34s} {native * 1e3:10.1f} {ours * 1e3:11.1f} {ours / native:7.3f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,443 @@
+"""TensorFlow / Keras 3 backend: dtype-policy scope, loss scaling in tf.Variables, fit and custom loops.
+
+- ``mp.scope()`` sets the Keras dtype policy that layers built inside it take (see ``KERAS_POLICIES``)
+  and restores the previous one on exit. Where the polyamp policy keeps outputs in float32, the
+  probability layers built inside it (``Softmax``; ``Activation`` with softmax, log_softmax or
+  sigmoid) get a float32 policy unless given a dtype, as the TensorFlow mixed-precision guide asks.
+- The loss-scale state lives in ``tf.Variable``s (float32 scale, int32 counters; ``LossScaleVariables``)
+  that become ``mp``'s state store: ``mp.state``/``current_scale``/``state_dict()`` read them and
+  ``load_state_dict`` assigns them, so the same step runs eagerly and inside ``tf.function``.
+- ``mp.apply(optimizer, grads, variables)`` and the ``fit`` wrapper share ``_step``: unscale the
+  gradients, check them (sum first; an exact per-element check only if the sum is not finite),
+  agree across replicas, then in a cross-replica ``merge_call``: clip by the global norm of the
+  summed gradients (optional), apply or skip (``tf.cond``), update the scale with
+  ``update_arrays`` (graph ops) and guard against endless skipping.
+- Eagerly the ``StepResult`` holds Python values and names the non-finite gradients, and the
+  "scale fell below 1" warning is given; inside ``tf.function`` it holds tensors (a tf.function may
+  return it), ``nonfinite`` is empty, no warning is given, and the skip guard is a graph assertion
+  (dropped by XLA) whose error names polyamp's ``NonFiniteError``.
+- Under a distribution strategy, build the optimizer before the first ``tf.function`` step
+  (TensorFlow cannot initialise mirrored variables created inside it; polyamp says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import numbers
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ..errors import PolyampError
+from ..policy import Policy
+from ..scaling import _BELOW_ONE, LossScaleState, NoLossScale, state_arrays, state_from_arrays
+from ..training import StepResult
+from ._base import Backend
+
+_F32, _BF16, _F16, _F64 = "float32", "bfloat16", "float16", "float64"
+# (param, compute, output) -> (Keras dtype policy, whether probability layers stay float32)
+KERAS_POLICIES = {
+    (_F32, _F32, _F32): ("float32", False),
+    (_F32, _BF16, _F32): ("mixed_bfloat16", True),
+    (_F32, _F16, _F32): ("mixed_float16", True),
+    (_BF16, _BF16, _BF16): ("bfloat16", False),
+    (_F16, _F16, _F16): ("float16", False),
+    (_F64, _F64, _F64): ("float64", False),
+    (_F32, _BF16, _BF16): ("mixed_bfloat16", False),
+    (_F32, _F16, _F16): ("mixed_float16", False),
+    (_BF16, _BF16, _F32): ("bfloat16", True),
+    (_F16, _F16, _F32): ("float16", True),
+}
+_PROBABILITIES = ("softmax", "log_softmax", "sigmoid")
+_FIELDS = ("scale", "good_steps", "hysteresis_left", "skipped_in_a_row", "steps", "skipped")
+
+
+def keras_policy(policy: Policy) -> tuple[str, bool]:
+    """The Keras dtype policy name for a polyamp policy, and whether outputs stay float32."""
+    key = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+    if key not in KERAS_POLICIES:
+        accepted = ", ".join(Policy(*k).name for k in KERAS_POLICIES)
+        raise PolyampError(
+            f"Keras cannot honour the policy {policy.name!r}: a Keras layer keeps its variables in "
+            "float32 and computes in float16/bfloat16 ('mixed_*'), or does both in one dtype, and "
+            f"its outputs are in the compute dtype or float32; accepted: {accepted}"
+        )
+    return KERAS_POLICIES[key]
+
+
+def _check_keras() -> None:
+    if keras.backend.backend() != "tensorflow":
+        raise PolyampError(
+            f"Keras runs on its {keras.backend.backend()!r} backend here; polyamp's TensorFlow "
+            "backend needs KERAS_BACKEND=tensorflow (set it before importing keras)"
+        )
+
+
+class _Numpy:
+    """The array namespace ``update_arrays`` needs, as TF ops (keeps int32 counters int32)."""
+
+    float32, int32 = tf.float32, tf.int32
+    minimum, maximum, abs, zeros_like = tf.minimum, tf.maximum, tf.abs, tf.zeros_like
+    isfinite = staticmethod(tf.math.is_finite)
+
+    @staticmethod
+    def asarray(value, dtype=None):
+        return tf.convert_to_tensor(value, dtype=dtype)
+
+    @staticmethod
+    def where(cond, x, y):
+        dtype = next((v.dtype for v in (x, y) if tf.is_tensor(v)), tf.int32)
+        return tf.where(cond, tf.cast(x, dtype), tf.cast(y, dtype))
+
+
+class LossScaleVariables(tf.Module):
+    """The loss-scale state as tf.Variables: ``mp``'s state store, tracked by checkpoints."""
+
+    def __init__(self, state: LossScaleState):
+        super().__init__(name="polyamp_loss_scale")
+        for name, value in state_arrays(state, np).items():
+            setattr(self, name, tf.Variable(value, trainable=False, name=name))
+
+    def arrays(self) -> dict:
+        return {name: getattr(self, name).read_value() for name in _FIELDS}
+
+    def assign(self, arrays: dict) -> None:
+        for name in _FIELDS:
+            getattr(self, name).assign(arrays[name])
+
+    def read(self) -> LossScaleState:
+        return state_from_arrays({name: getattr(self, name).numpy() for name in _FIELDS})
+
+    def write(self, state: LossScaleState) -> None:
+        with tf.init_scope():
+            self.assign(state_arrays(state, np))
+
+
+def _store(mp) -> LossScaleVariables:
+    """``mp``'s variables, created (outside any tf.function) from its current state on first use."""
+    if mp._state_store is None:
+        if getattr(mp.loss_scale, "one_step_lag", False):
+            raise PolyampError(
+                "the 'mxnet' loss-scale preset (one_step_lag) has no tf.function form; use another "
+                "preset with TensorFlow"
+            )
+        with tf.init_scope():
+            mp._state_store = LossScaleVariables(mp.state)
+    return mp._state_store
+
+
+def _attach(optimizer, store: LossScaleVariables) -> None:
+    """Track the state on the Keras optimizer, so tf.train.Checkpoint(optimizer=...) holds it."""
+    current = getattr(optimizer, "_polyamp_loss_scale", None)
+    if current is None:
+        with tf.init_scope():
+            optimizer._polyamp_loss_scale = store
+    elif current is not store:
+        raise PolyampError(
+            f"this {type(optimizer).__name__} is already driven by another MixedPrecision; use one "
+            "MixedPrecision per optimizer"
+        )
+
+
+# -- probability layers in float32 inside mp.scope() ---------------------------------------------
+_scope = threading.local()  # Keras keeps its dtype policy per thread; so does this flag
+
+
+def _keep_probabilities_float32(layer_class, is_probability):
+    original = layer_class.__init__
+    if getattr(original, "_polyamp", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(_scope, "float32_outputs", False) and kwargs.get("dtype") is None and is_probability(self):
+            self.dtype_policy = "float32"
+
+    __init__.__signature__ = inspect.signature(original)  # Keras records layer configs from it
+    __init__._polyamp = True
+    layer_class.__init__ = __init__
+
+
+def _is_probability_activation(layer) -> bool:
+    return getattr(layer.activation, "__name__", None) in _PROBABILITIES
+
+
+class TensorFlowBackend(Backend):
+    name = "tensorflow"
+
+    def is_tensor(self, x: Any) -> bool:
+        return tf.is_tensor(x)
+
+    def cast(self, x, dtype: str):
+        return tf.cast(x, dtype) if x.dtype.is_floating else x
+
+    # -- the Keras idiom -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self, mp):
+        """Layers built inside take the policy's Keras dtype policy; the previous one is restored."""
+        _check_keras()
+        name, float32_outputs = keras_policy(mp.policy)
+        _store(mp)  # under the caller's distribution strategy, if any
+        _keep_probabilities_float32(keras.layers.Softmax, lambda layer: True)
+        _keep_probabilities_float32(keras.layers.Activation, _is_probability_activation)
+        previous_policy = keras.config.dtype_policy()
+        previous_flag = getattr(_scope, "float32_outputs", False)
+        keras.config.set_dtype_policy(name)
+        _scope.float32_outputs = float32_outputs
+        try:
+            yield keras.config.dtype_policy()
+        finally:
+            keras.config.set_dtype_policy(previous_policy)
+            _scope.float32_outputs = previous_flag
+
+    def wrap_optimizer(self, mp, optimizer):
+        _check_keras()
+        keras_policy(mp.policy)
+        _check_optimizer(optimizer)
+        return PolyampOptimizer(mp, optimizer)
+
+    def scale(self, mp, loss):
+        """``loss * scale`` in float32 (a float16 loss times 2^15 would overflow float16)."""
+        keras_policy(mp.policy)
+        if not (tf.is_tensor(loss) and loss.dtype.is_floating):
+            raise PolyampError(
+                "loss must be a floating-point TensorFlow tensor, got "
+                f"{getattr(loss, 'dtype', type(loss).__name__)}"
+            )
+        if loss.shape.num_elements() not in (1, None):
+            raise PolyampError(f"loss must be a scalar, got a tensor of shape {loss.shape}")
+        if isinstance(mp.loss_scale, NoLossScale):
+            return loss
+        if loss.dtype in (tf.float16, tf.bfloat16):
+            loss = tf.cast(loss, tf.float32)
+        return loss * tf.cast(_store(mp).scale, loss.dtype)
+
+    def apply_gradients(self, mp, optimizer, grads, variables, clip_grad_norm):
+        _check_keras()
+        keras_policy(mp.policy)
+        _check_optimizer(optimizer)
+        grads, variables = _check_pairs(grads, variables)
+        if clip_grad_norm is not None and not (
+            isinstance(clip_grad_norm, numbers.Real) and not isinstance(clip_grad_norm, bool)
+            and clip_grad_norm > 0
+        ):  # fmt: skip
+            raise PolyampError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+        _attach(optimizer, _store(mp))
+        return _step(mp, optimizer, grads, variables, clip_grad_norm)
+
+    # -- names ---------------------------------------------------------------------------------------
+    def parameter_names(self, model) -> dict[int, str]:
+        if not isinstance(model, (keras.layers.Layer, tf.Module)):
+            raise PolyampError(f"expected a Keras model or layer, got {type(model).__name__}")
+        return {id(v): _variable_name(v) for v in model.variables}
+
+
+# -- the step --------------------------------------------------------------------------------------
+def _step(mp, optimizer, grads: list, variables: list, clip: float | None):
+    """Unscale and check per replica, then decide, apply or skip and update once (merge_call)."""
+    store = _store(mp)
+    if not optimizer.built:  # its variables must not be created inside tf.cond
+        if tf.distribute.has_strategy() and not tf.executing_eagerly():
+            raise PolyampError(
+                f"build the {type(optimizer).__name__} before the first tf.function step under a "
+                "distribution strategy (TensorFlow cannot initialise mirrored variables created "
+                "inside it): with strategy.scope(): optimizer.build(model.trainable_variables)"
+            )
+        optimizer.build(variables)
+    context = tf.distribute.get_replica_context()
+    if context is None:
+        raise PolyampError(
+            "mp.apply ran in a cross-replica context; call it inside strategy.run(...), where "
+            "each replica has its own gradients"
+        )
+    unscaled = grads
+    if not isinstance(mp.loss_scale, NoLossScale):
+        scale = store.scale.read_value()
+        unscaled = [_map(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads]
+    bad = tf.cast(~_all_finite(unscaled), tf.float32) if mp.guard else None
+    merged = functools.partial(_merged_step, mp=mp, optimizer=optimizer, variables=variables, clip=clip)
+    return context.merge_call(merged, args=(unscaled, bad))
+
+
+def _merged_step(strategy, unscaled, bad, *, mp, optimizer, variables, clip):
+    """Cross-replica part of the step; the result reaches every replica."""
+    eager = tf.executing_eagerly()
+    finite = True if bad is None else tf.equal(strategy.reduce("SUM", bad, axis=None), 0.0)
+    norm = None
+    coef = None
+    if clip is not None:
+        summed = [strategy.reduce("SUM", g, axis=None) for g in unscaled if g is not None]
+        norm = tf.linalg.global_norm(summed)
+        coef = tf.minimum(1.0, clip / (norm + 1e-6))
+
+    def apply_local(grads):
+        if coef is not None:
+            grads = [_map(g, lambda v: v * tf.cast(coef, v.dtype)) for g in grads]
+        optimizer.apply(grads, variables)
+
+    def apply():
+        strategy.extended.call_for_each_replica(apply_local, args=(unscaled,))
+
+    if finite is True or (eager and bool(finite)):
+        apply()
+    elif not eager:
+        tf.cond(finite, apply, lambda: None)
+    store = mp._state_store
+    old = store.arrays()
+    new = mp.loss_scale.update_arrays(old, tf.convert_to_tensor(finite), _Numpy)
+    store.assign(new)
+    limit = mp.loss_scale.max_consecutive_skips
+    if not eager:
+        if limit is not None:
+            tf.debugging.Assert(new["skipped_in_a_row"] < limit, [_GUARD.format(limit=limit), new["scale"]])
+        return StepResult(tf.convert_to_tensor(finite), new["scale"], norm)
+    if float(new["scale"]) < 1 <= float(old["scale"]):
+        warnings.warn(_BELOW_ONE, RuntimeWarning, stacklevel=2)
+    stepped = bool(finite)
+    names = () if stepped else _nonfinite_names(mp, unscaled, variables, strategy)
+    origin = names[0] if names else None
+    mp.loss_scale.check(mp.state, where=origin)
+    grad_norm = float(norm) if norm is not None and stepped else None
+    return StepResult(stepped, float(new["scale"]), grad_norm, names, origin)
+
+
+_GUARD = (
+    "polyamp NonFiniteError: {limit} consecutive steps were skipped because the gradients were not "
+    "finite (max_consecutive_skips={limit}); training is not progressing. Run the step eagerly to "
+    "learn which gradient was first non-finite. Loss scale:"
+)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _map(g, fn):
+    """``fn`` applied to a dense gradient or to an IndexedSlices' values; None stays None."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(fn(g.values), g.indices, g.dense_shape)
+    return fn(g)
+
+
+def _values(g):
+    return g.values if isinstance(g, tf.IndexedSlices) else g
+
+
+def _all_finite(grads) -> tf.Tensor:
+    """One sum per gradient (a sum is finite only if every term is); where the total is not
+    finite an exact element-wise check rules out a finite sum that overflowed."""
+    present = [_values(g) for g in grads if g is not None]
+    sums = [tf.cast(tf.reduce_sum(g), tf.float32) for g in present]
+    quick = tf.math.is_finite(tf.add_n(sums)) if sums else tf.constant(True)
+
+    def exact():
+        return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in present]))
+
+    if tf.executing_eagerly():
+        return quick if bool(quick) else exact()
+    return tf.cond(quick, lambda: tf.constant(True), exact)
+
+
+def _nonfinite_names(mp, unscaled, variables, strategy) -> tuple[str, ...]:
+    """Eagerly: the variables whose gradient held inf/NaN on any replica."""
+    names = []
+    for g, v in zip(unscaled, variables):
+        local = () if g is None else strategy.experimental_local_results(g)
+        if any(not bool(tf.reduce_all(tf.math.is_finite(_values(x)))) for x in local):
+            names.append(mp._names.get(id(v), _variable_name(v)))
+    return tuple(names)
+
+
+def _variable_name(v) -> str:
+    name = getattr(v, "path", None) or v.name
+    return name[:-2] if name.endswith(":0") else name
+
+
+def _check_optimizer(optimizer) -> None:
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):  # PolyampOptimizer too
+        raise PolyampError(
+            f"got a {type(optimizer).__name__}, which already scales the loss; pass the optimizer "
+            "it wraps (its inner_optimizer): polyamp does the loss scaling (Keras's own schedule "
+            "is loss_scale='keras')"
+        )
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise PolyampError(
+            f"expected a Keras 3 optimizer (keras.optimizers.Adam, SGD, ...), got "
+            f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+        )
+
+
+def _check_pairs(grads, variables) -> tuple[list, list]:
+    if not isinstance(grads, Sequence) or not isinstance(variables, Sequence):
+        raise PolyampError(
+            "mp.apply(optimizer, grads, variables) takes two lists of equal length, got "
+            f"{type(grads).__name__} and {type(variables).__name__}"
+        )
+    grads, variables = list(grads), list(variables)
+    if len(grads) != len(variables) or not grads:
+        raise PolyampError(
+            f"mp.apply got {len(grads)} gradients for {len(variables)} variables; pass one gradient "
+            "(or None) per variable, e.g. tape.gradient(scaled_loss, model.trainable_variables)"
+        )
+    for i, g in enumerate(grads):
+        if g is not None and not (tf.is_tensor(g) or isinstance(g, tf.IndexedSlices)):
+            raise PolyampError(
+                f"grads[{i}] is a {type(g).__module__}.{type(g).__name__}; mp.apply takes "
+                "TensorFlow gradients (tf.Tensor, tf.IndexedSlices or None)"
+            )
+    for i, v in enumerate(variables):
+        if not isinstance(v, (keras.Variable, tf.Variable)):
+            raise PolyampError(
+                f"variables[{i}] is a {type(v).__module__}.{type(v).__name__}; mp.apply takes "
+                "Keras or TensorFlow variables"
+            )
+    if all(g is None for g in grads):
+        raise PolyampError("every gradient is None: did the loss depend on these variables?")
+    return grads, variables
+
+
+# -- the optimizer for compile/fit -------------------------------------------------------------------
+class PolyampOptimizer(keras.optimizers.LossScaleOptimizer):
+    """A Keras optimizer for ``compile``/``fit`` that scales, checks and skips as polyamp does.
+
+    ``fit`` multiplies the loss by ``scale_loss`` (polyamp's scale) and hands the gradients to
+    ``apply``, which runs polyamp's step on the inner optimizer. It subclasses Keras's
+    ``LossScaleOptimizer`` only so that ``compile`` does not wrap it a second time under a
+    ``mixed_float16`` policy; none of that class's scaling runs.
+    """
+
+    def __init__(self, mp, inner_optimizer, name=None):
+        super().__init__(inner_optimizer, initial_scale=float(mp.current_scale), name=name)
+        self._mp = mp
+        self._polyamp_loss_scale = _store(mp)
+
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
+
+    @property
+    def dynamic_scale(self):
+        return self._polyamp_loss_scale.scale
+
+    def scale_loss(self, loss):
+        return BACKEND.scale(self._mp, loss)
+
+    def apply(self, grads, trainable_variables=None):
+        if not self.built:
+            self.build(trainable_variables)
+        variables = self._trainable_variables if trainable_variables is None else trainable_variables
+        grads, variables = _check_pairs(grads, variables)
+        _step(self._mp, self.inner_optimizer, grads, variables, None)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise PolyampError("stateless_apply is JAX's path; with TensorFlow use apply()")
+
+
+BACKEND = TensorFlowBackend()

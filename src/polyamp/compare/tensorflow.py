@@ -1,0 +1,148 @@
+"""The compare workloads in TensorFlow/Keras 3, trained with ``polyamp.MixedPrecision``.
+
+The networks are Keras layers built inside ``mp.scope()`` (so they take the policy's Keras dtype
+policy) and loaded with the numpy weights of ``workloads.py`` (a Keras ``Dense`` kernel is
+``W[in, out]`` as stored there). One train step is a ``tf.function``: forward, ``mp.scale``,
+gradients, ``mp.apply`` with Keras's Adam (epsilon 1e-8, as torch's). LayerNorm epsilon and the
+exact (erf) GELU match the torch module; attention probabilities are a ``Softmax`` layer, which
+``mp.scope()`` keeps in float32 under the mixed policies; logits go to the loss in float32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from ..training import MixedPrecision, StepResult  # noqa: E402
+from .workloads import Workload  # noqa: E402
+
+
+def _dense(weights: dict, name: str, activation=None) -> keras.layers.Dense:
+    w, b = weights[name + ".w"], weights[name + ".b"]
+    layer = keras.layers.Dense(w.shape[1], activation=activation)
+    layer.build((None, w.shape[0]))
+    layer.set_weights([w, b])
+    return layer
+
+
+def _layer_norm(weights: dict, name: str, d: int) -> keras.layers.LayerNormalization:
+    ln = keras.layers.LayerNormalization(epsilon=1e-5)  # torch's default
+    ln.build((None, d))
+    ln.set_weights([weights[name + ".g"], weights[name + ".b"]])
+    return ln
+
+
+def mlp(wl: Workload) -> keras.Sequential:
+    n = len(wl.dims) - 1
+    return keras.Sequential(
+        [keras.Input((wl.dims[0],))]
+        + [_dense(wl.weights, f"fc{i}", wl.activation if i < n - 1 else None) for i in range(n)]
+    )
+
+
+class Block(keras.layers.Layer):
+    """Pre-LN transformer block: causal multi-head attention and a GELU MLP of width 4d."""
+
+    def __init__(self, wl: Workload, i: int):
+        super().__init__()
+        p, d = f"block{i}.", wl.d_model
+        self.heads = wl.heads
+        self.ln1, self.ln2 = _layer_norm(wl.weights, p + "ln1", d), _layer_norm(wl.weights, p + "ln2", d)
+        self.q, self.k, self.v, self.o = (_dense(wl.weights, p + n) for n in "qkvo")
+        self.ff1 = _dense(wl.weights, p + "ff1", "gelu")
+        self.ff2 = _dense(wl.weights, p + "ff2")
+        self.softmax = keras.layers.Softmax()
+
+    def call(self, x):
+        b, t, d = tf.shape(x)[0], tf.shape(x)[1], x.shape[-1]
+        h = self.ln1(x)
+
+        def heads(f):
+            return tf.transpose(tf.reshape(f(h), (b, t, self.heads, d // self.heads)), (0, 2, 1, 3))
+
+        q, k, v = heads(self.q), heads(self.k), heads(self.v)
+        scores = tf.matmul(q, k, transpose_b=True) * tf.cast(1.0 / math.sqrt(d // self.heads), q.dtype)
+        causal = tf.linalg.band_part(tf.ones((t, t), tf.bool), -1, 0)
+        probs = tf.cast(self.softmax(scores, mask=causal), v.dtype)
+        a = tf.reshape(tf.transpose(tf.matmul(probs, v), (0, 2, 1, 3)), (b, t, d))
+        x = x + self.o(a)
+        return x + self.ff2(self.ff1(self.ln2(x)))
+
+
+class CharLM(keras.Model):
+    def __init__(self, wl: Workload):
+        super().__init__()
+        w = wl.weights
+        self.embed = keras.layers.Embedding(*w["embed"].shape)
+        self.embed.build((None, None))
+        self.embed.set_weights([w["embed"]])
+        self.pos = self.add_weight(shape=w["pos"].shape, initializer=keras.initializers.Constant(w["pos"]),
+                                   name="pos")  # fmt: skip
+        self.blocks = [Block(wl, i) for i in range(wl.layers)]
+        self.lnf = _layer_norm(w, "lnf", wl.d_model)
+        self.head = _dense(w, "head")
+
+    def call(self, ids):
+        x = self.embed(ids) + tf.cast(self.pos[: tf.shape(ids)[1]], self.compute_dtype)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.lnf(x))
+
+
+class Trainer:
+    """One (workload, policy) training run: ``step(i)`` returns the train loss of step ``i``."""
+
+    def __init__(self, wl: Workload, policy: str):
+        keras.utils.set_random_seed(wl.seed)
+        self.wl = wl
+        self.mp = MixedPrecision(policy, framework="tensorflow")
+        with self.mp.scope():
+            self.model = CharLM(wl) if wl.name == "charlm" else mlp(wl)
+        if wl.name == "charlm":
+            self.model(np.zeros((1, wl.context), np.int64))  # builds the blocks' softmax layers
+        self.opt = keras.optimizers.Adam(wl.lr, epsilon=1e-8)
+        self.opt.build(self.model.trainable_variables)
+        self._train = tf.function(self._train_step)
+        self._eval = tf.function(self._predict)
+
+    def _loss(self, out, y):
+        out = tf.cast(out, tf.float32)
+        if self.wl.name == "mlp":
+            return tf.reduce_mean(tf.square(out - y))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, out))
+
+    def _train_step(self, x, y):
+        variables = self.model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = self._loss(self.model(x, training=True), y)
+            scaled = self.mp.scale(loss)
+        result = self.mp.apply(self.opt, tape.gradient(scaled, variables), variables)
+        return loss, result.stepped, result.scale
+
+    def _predict(self, x):
+        return tf.cast(self.model(x, training=False), tf.float32)
+
+    def step(self, i: int) -> float:
+        x, y = self.wl.batch_at(i)
+        loss, stepped, scale = self._train(x, y)
+        self.last = StepResult(bool(stepped), float(scale))
+        return float(loss)
+
+    def evaluate(self) -> float:
+        batches = self.wl.eval_batches_()
+        if self.wl.name == "digits":
+            ((x, y),) = batches
+            return float(np.mean(np.argmax(self._eval(x).numpy(), -1) == y))
+        losses = [float(self._loss(self._eval(x), y)) for x, y in batches]
+        value = float(np.mean(losses))
+        return value if math.isfinite(value) else float("nan")
+
+
+def version() -> str:
+    return f"tensorflow {tf.__version__}, keras {keras.__version__}"

@@ -1,0 +1,27 @@
+"""Importing the frameworks a test compares against, as the test run asked.
+
+``POLYAMP_TEST_FRAMEWORKS`` (set by the Makefile) names the frameworks a run must cover: a test
+needing one of those fails when it cannot be imported; any other missing framework is a skip
+(e.g. torch inside ``.venv-mxnet``, MXNet inside ``.venv``).
+"""
+
+import importlib
+import os
+
+import pytest
+
+# the name a run requests -> the modules that belong to it
+_REQUESTED_AS = {"keras": "tensorflow"}
+
+
+def requested(name: str) -> bool:
+    wanted = [n for n in os.environ.get("POLYAMP_TEST_FRAMEWORKS", "").split(",") if n]
+    return _REQUESTED_AS.get(name, name) in wanted
+
+
+def require(name: str):
+    """The imported module ``name``: an ImportError (a failure) where the run requested it,
+    otherwise a skip where it is not installed."""
+    if requested(name):
+        return importlib.import_module(name)
+    return pytest.importorskip(name)

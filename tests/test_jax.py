@@ -1,0 +1,354 @@
+"""The JAX backend's functional loss scaling: unscaled grads, the finite flag, the state pytree,
+skipping inside jit, fault injection, checkpoint/resume, bad input, and the example."""
+
+import dataclasses
+import math
+import os
+import pickle
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from frameworks import require
+
+jax = require("jax")
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import polyamp as pa  # noqa: E402
+from polyamp import NonFiniteError, PolyampError  # noqa: E402
+from polyamp.backends.jax import ScaleState, apply_if_finite, select_tree  # noqa: E402
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def loss_fn(p, x, y):
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"] - y) ** 2)
+
+
+def init(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w1": jnp.asarray(rng.standard_normal((8, 16)) / 3, jnp.float32), "b1": jnp.zeros(16),
+            "w2": jnp.asarray(rng.standard_normal((16, 1)) / 4, jnp.float32)}  # fmt: skip
+
+
+def batch(seed=1, n=32):
+    x = np.random.default_rng(seed).standard_normal((n, 8)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(np.sin(x.sum(1, keepdims=True)))
+
+
+def mp_for(policy="fp16-mixed", **kw):
+    return pa.MixedPrecision(policy, framework="jax", **kw)
+
+
+@jax.custom_vjp
+def poison(w, fault):
+    """Identity whose gradient gets ``fault`` added: injects inf/NaN into one gradient element."""
+    return w
+
+
+poison.defvjp(lambda w, fault: (w, fault), lambda fault, ct: (ct + fault, jnp.zeros_like(fault)))
+
+
+def make_step(mp, optimizer):
+    value_and_grad = mp.value_and_grad(
+        lambda p, faults, x, y: mp.autocast(loss_fn)(jax.tree.map(poison, p, faults), x, y)
+    )
+
+    @jax.jit
+    def step(params, opt_state, state, faults, x, y):
+        (loss, grads), finite, state = value_and_grad(params, faults, x, y, state=state)
+        params, opt_state = apply_if_finite(finite, optimizer, grads, opt_state, params)
+        return params, opt_state, state, loss, finite
+
+    return step
+
+
+def no_faults(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+
+def fault_at(params, name, index, value):
+    faults = {k: np.zeros(v.shape, np.float32) for k, v in params.items()}
+    faults[name].reshape(-1)[index] = value
+    return faults
+
+
+# -- grads, flag, state ----------------------------------------------------------------------------
+def test_grads_are_unscaled_exactly():
+    """float32 compute, scale 2^10: scaling by a power of two is exact, so the grads are jax.grad's."""
+    p, (x, y) = init(), batch()
+    mp = mp_for("float32", loss_scale=1024.0)
+    (loss, grads), finite, state = jax.jit(mp.value_and_grad(loss_fn))(p, x, y, state=mp.init())
+    ref_loss, ref = jax.jit(jax.value_and_grad(loss_fn))(p, x, y)
+    assert bool(finite) and float(state.scale) == 1024.0 and int(state.steps) == 1
+    assert float(loss) == float(ref_loss)
+    for k in p:
+        assert np.array_equal(grads[k], ref[k]), k
+
+
+def test_loss_scaling_keeps_small_fp16_gradients_from_underflowing():
+    """The backward matmuls run in float16: a 1e-8 cotangent flushes to zero without scaling."""
+    p, (x, y) = init(), batch()
+
+    def tiny(p, x, y):
+        return 1e-7 * loss_fn(p, x, y)
+
+    ref = jax.jit(jax.grad(tiny))(p, x, y)
+    unscaled_mp = mp_for(loss_scale="none")
+    lost, _, _ = jax.jit(unscaled_mp.grad(unscaled_mp.autocast(tiny)))(p, x, y, state=unscaled_mp.init())
+    mp = mp_for()
+    grads, finite, _ = jax.jit(mp.grad(mp.autocast(tiny)))(p, x, y, state=mp.init())
+    assert not np.any(lost["w1"]) and bool(finite)
+    for k in ("w1", "w2"):
+        np.testing.assert_allclose(grads[k], ref[k], rtol=0, atol=0.02 * float(jnp.abs(ref[k]).max()))
+
+
+def test_has_aux_and_argnums():
+    p, (x, y) = init(), batch()
+    mp = mp_for("bf16-mixed")
+
+    def with_aux(p, x, y):
+        return loss_fn(p, x, y), {"n": x.shape[0]}
+
+    state = mp.init()
+    (grads, aux), finite, _ = mp.grad(with_aux, has_aux=True)(p, x, y, state=state)
+    assert aux == {"n": 32} and set(grads) == set(p) and bool(finite)
+    ((loss, aux), grads2), _, _ = mp.value_and_grad(with_aux, has_aux=True)(p, x, y, state=state)
+    assert float(loss) == pytest.approx(float(loss_fn(p, x, y))) and aux == {"n": 32}
+    (gp, gx), _, _ = mp.grad(loss_fn, argnums=(0, 1))(p, x, y, state=state)
+    assert gx.shape == x.shape and np.allclose(gp["w1"], grads["w1"])
+
+
+def test_a_nonfinite_step_is_skipped_inside_jit_and_the_scale_backs_off():
+    p, (x, y) = init(), batch()
+    mp = mp_for()
+    optimizer = optax.adam(1e-2)
+    step = make_step(mp, optimizer)
+    opt_state, state = optimizer.init(p), mp.init()
+    for value in (math.inf, -math.inf, math.nan):
+        faults = fault_at(p, "w2", 3, value)
+        new_p, new_opt, state, _, finite = step(p, opt_state, state, faults, x, y)
+        assert not bool(finite)
+        for a, b in zip(jax.tree.leaves((p, opt_state)), jax.tree.leaves((new_p, new_opt))):
+            assert np.array_equal(a, b)  # params and optimizer state untouched
+    assert float(state.scale) == 2.0**13 and int(state.skipped_in_a_row) == 3
+    new_p, _, state, _, finite = step(p, opt_state, state, no_faults(p), x, y)
+    assert bool(finite) and not np.array_equal(new_p["w1"], p["w1"]) and int(state.good_steps) == 1
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "float32"])
+def test_every_policy_guards_and_guard_off_steps_through(policy):
+    p, (x, y) = init(), batch()
+    for guard, expected in ((True, False), (False, True)):
+        mp = mp_for(policy, guard=guard, **({} if guard else {"loss_scale": "none"}))
+        faults = fault_at(p, "b1", 0, math.nan)
+        _, _, _, _, finite = make_step(mp, optax.sgd(0.1))(p, optax.sgd(0.1).init(p), mp.init(), faults, x, y)
+        assert bool(finite) == expected
+
+
+def test_scale_trajectory_in_jit_equals_the_eager_state_machine():
+    """DeepSpeed's hysteresis and growth delay, driven by real non-finite losses in a jitted step."""
+    ls = dataclasses.replace(pa.DynamicLossScale.preset("deepspeed"), growth_interval=3)
+    mp = mp_for(loss_scale=ls)
+    p, (x, y) = init(), batch()
+
+    @jax.jit
+    def step(p, state, bad):
+        return mp.grad(lambda p: loss_fn(p, x, y) * jnp.where(bad, jnp.inf, 1.0))(p, state=state)[1:]
+
+    flags = [True, False, True, True, True, True, False, False, False, True, True, True, True]
+    state, eager = mp.init(), ls.init()
+    for ok in flags:
+        finite, state = step(p, state, not ok)
+        eager = ls.update(eager, ok)
+        assert bool(finite) == ok and state.to_state() == dataclasses.replace(eager, next_scale=None)
+
+
+def test_state_survives_jit_tree_map_flattening_and_pickle_field_by_field():
+    ls = pa.DynamicLossScale(init_scale=512.0, min_scale=4.0, max_scale=2.0**20, hysteresis=2,
+                             growth_interval=7)  # fmt: skip
+    mp = mp_for(loss_scale=ls)
+    state = mp.init().update(jnp.asarray(False)).update(jnp.asarray(True))
+    copies = {
+        "jit": jax.jit(lambda s: s)(state),
+        "tree_map": jax.tree.map(lambda a: a, state),
+        "unflatten": jax.tree.unflatten(*reversed(jax.tree.flatten(state))),
+        "pickle": pickle.loads(pickle.dumps(state)),
+        "device_get": jax.device_get(state),
+    }
+    for how, copy in copies.items():
+        assert isinstance(copy, ScaleState), how
+        assert copy.config == ls and copy.config.min_scale == 4.0, how  # jmp PR #44 lost it here
+        for field in dataclasses.fields(ScaleState):
+            if field.name != "config":
+                a, b = getattr(state, field.name), getattr(copy, field.name)
+                assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b), (how, field.name)
+    assert len(jax.tree.leaves(state)) == 6
+    assert state.to_state() == pa.LossScaleState(scale=512.0, good_steps=1, hysteresis_left=1,
+                                                 skipped_in_a_row=0, steps=2, skipped=1)  # fmt: skip
+
+
+def test_sync_state_dict_and_init_round_trip():
+    mp = mp_for(loss_scale=pa.DynamicLossScale(growth_interval=2))
+    state = mp.init().update(jnp.asarray(False)).update(jnp.asarray(True))
+    assert mp.sync(state) == mp.state == state.to_state() and mp.current_scale == 2.0**15
+    saved = pickle.loads(pickle.dumps(mp.state_dict()))
+    other = mp_for(loss_scale=pa.DynamicLossScale(growth_interval=2))
+    other.load_state_dict(saved)
+    restored = other.init()  # init() is mp.state as a pytree: the restored one
+    assert restored.to_state() == state.to_state()
+    with pytest.raises(PolyampError, match="this state belongs to loss scale"):
+        mp_for().sync(state)
+
+
+def test_too_many_consecutive_skips_raise_at_sync():
+    mp = mp_for(loss_scale=pa.DynamicLossScale(max_consecutive_skips=3))
+    state = mp.init()
+    for _ in range(2):
+        state = state.update(jnp.asarray(False))
+    mp.sync(state)
+    with pytest.raises(NonFiniteError, match="3 consecutive steps were skipped"):
+        mp.sync(state.update(jnp.asarray(False)))
+
+
+def test_select_tree_and_apply_if_finite():
+    a, b = {"x": jnp.ones(3), "n": jnp.arange(2)}, {"x": jnp.zeros(3), "n": jnp.arange(2) + 5}
+    assert np.array_equal(select_tree(jnp.asarray(False), a, b)["n"], [5, 6])
+    p, (x, y) = init(), batch()
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    grads = jax.grad(loss_fn)(p, x, y)
+    opt_state = optimizer.init(p)
+    kept, _ = apply_if_finite(jnp.asarray(False), optimizer, grads, opt_state, p)
+    stepped, _ = apply_if_finite(jnp.asarray(True), optimizer, grads, opt_state, p)
+    updates, _ = optimizer.update(grads, opt_state, p)
+    assert np.array_equal(kept["w1"], p["w1"])
+    assert np.array_equal(stepped["w1"], optax.apply_updates(p, updates)["w1"])
+
+
+# -- fault injection ---------------------------------------------------------------------------
+def test_fault_injection_2000_steps():
+    rng = np.random.default_rng(0)
+    p, (x, y) = init(), batch(n=8)
+    ls = pa.DynamicLossScale(growth_interval=50)
+    mp = mp_for(loss_scale=ls)
+    optimizer = optax.sgd(0.01)
+    step = make_step(mp, optimizer)
+    opt_state, state = optimizer.init(p), mp.init()
+    clean = no_faults(p)
+    names = sorted(p)
+    injected = skipped = 0
+    for _ in range(2000):
+        faults = clean
+        if rng.random() < 0.05:
+            injected += 1
+            name = names[rng.integers(len(names))]
+            index = int(rng.integers(p[name].size))
+            faults = fault_at(p, name, index, rng.choice([math.inf, -math.inf, math.nan]))
+        p, opt_state, state, _, finite = step(p, opt_state, state, faults, x, y)
+        skipped += not bool(finite)
+        assert ls.min_scale <= float(state.scale) <= ls.max_scale
+    assert injected > 60 and skipped == injected == int(state.skipped)
+    assert all(bool(jnp.isfinite(v).all()) for v in jax.tree.leaves((p, opt_state)))
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+RESUME = textwrap.dedent(
+    """
+    import pickle, sys
+    import jax, jax.numpy as jnp, numpy as np, optax, polyamp as pa
+    sys.path.insert(0, sys.argv[5])
+    from test_jax import init, make_step, no_faults, fault_at
+    mode, path, start, stop = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    mp = pa.MixedPrecision("fp16-mixed", framework="jax", loss_scale=pa.DynamicLossScale(growth_interval=3))
+    optimizer = optax.adam(1e-2)
+    params = init()
+    opt_state = optimizer.init(params)
+    if mode == "resume":
+        with open(path, "rb") as f:
+            ckpt = pickle.load(f)
+        params, opt_state = ckpt["params"], ckpt["opt_state"]
+        mp.load_state_dict(ckpt["mp"])
+    state = mp.init()
+    step = make_step(mp, optimizer)
+    rng = np.random.default_rng(1)
+    data = [rng.standard_normal((16, 8)).astype(np.float32) for _ in range(stop)]
+    for i in range(start, stop):
+        x = jnp.asarray(data[i])
+        faults = fault_at(params, "w1", 0, np.inf) if i % 7 == 3 else no_faults(params)
+        y = jnp.sin(x.sum(1, keepdims=True))
+        params, opt_state, state, _, _ = step(params, opt_state, state, faults, x, y)
+    mp.sync(state)
+    out = {"params": jax.device_get(params), "opt_state": jax.device_get(opt_state), "mp": mp.state_dict()}
+    with open(path + (".final" if mode != "save" else ""), "wb") as f:
+        pickle.dump(out, f)
+    """
+)
+
+
+def test_resume_in_a_new_process_is_bit_identical(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(RESUME)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+    def run(*args):
+        cmd = [sys.executable, str(script), *map(str, args), str(Path(__file__).parent)]
+        return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+
+    procs = [run("full", tmp_path / "full", 0, 40), run("save", tmp_path / "ckpt", 0, 17)]
+    for proc in procs:
+        assert proc.wait(timeout=240) == 0, proc.stderr.read()[-2000:]
+    resume = run("resume", tmp_path / "ckpt", 17, 40)
+    assert resume.wait(timeout=240) == 0, resume.stderr.read()[-2000:]
+    full, resumed = (pickle.loads((tmp_path / name).read_bytes()) for name in ("full.final", "ckpt.final"))
+    assert full["mp"] == resumed["mp"] and full["mp"]["state"]["skipped"] >= 6  # 6 injected + real overflows
+    for a, b in zip(jax.tree.leaves((full["params"], full["opt_state"])),
+                    jax.tree.leaves((resumed["params"], resumed["opt_state"]))):  # fmt: skip
+        assert np.array_equal(a, b)
+
+
+# -- bad input -------------------------------------------------------------------------------------
+def test_bad_input_is_one_clear_error():
+    p, (x, y) = init(), batch()
+    mp = mp_for()
+    grad = mp.grad(loss_fn)
+    with pytest.raises(PolyampError, match="expected the loss-scale state from mp.init"):
+        grad(p, x, y)
+    with pytest.raises(PolyampError, match="got dict"):
+        grad(p, x, y, state={"scale": 1.0})
+    with pytest.raises(PolyampError, match=r"floating scalar .* got float32 \(32, 1\)"):
+        mp.grad(lambda p, x: x @ p["w1"] @ p["w2"])(p, x, state=mp.init())
+    with pytest.raises(PolyampError, match="floating scalar .* got int32"):
+        mp.grad(lambda p: jnp.sum(jnp.arange(3)))(p, state=mp.init())
+    with pytest.raises(PolyampError, match="expects the loss function, got int"):
+        mp.value_and_grad(3)
+    with pytest.raises(PolyampError, match="'mxnet' loss-scale preset"):
+        mp_for(loss_scale="mxnet").init()
+    with pytest.raises(PolyampError, match="JAX is functional: instead of mp.apply"):
+        mp.apply(optax.adam(1e-3), p, p)
+    with pytest.raises(PolyampError, match="JAX is functional: instead of mp.step"):
+        mp.step(x)
+    with pytest.raises(PolyampError, match="drives torch"):
+        pa.MixedPrecision("bf16-mixed", framework="torch").init()
+    assert mp.state == mp.loss_scale.init()
+
+
+# -- the example -----------------------------------------------------------------------------------
+def test_example_trains_skips_overflows_and_keeps_reductions_in_float32():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "jax_amp.py"), "--policy", "fp16-mixed",
+                          "--steps", "60"], capture_output=True, text=True, check=True,
+                         timeout=300).stdout  # fmt: skip
+    naive = int(re.search(r"naive whole-tree float16 cast: (\d+) reductions", out).group(1))
+    ours = re.search(r"polyamp autocast: (\d+) reductions/exp/log/rsqrt and (\d+) matmuls", out).groups()
+    assert naive > 0 and ours == ("0", "3")
+    first, last, skipped, scale = re.search(
+        r"loss ([\d.]+) -> ([\d.]+), (\d+) overflow steps skipped, final scale ([\d.e+-]+)", out
+    ).groups()
+    assert float(last) < float(first) / 5
+    # six injected overflows (steps 0, 10, ..., 50), each halves the scale
+    assert int(skipped) == 6 and float(scale) == 2.0**16 / 2**6

@@ -1,0 +1,392 @@
+"""JAX op-level autocast: the dtype of every equation of the rewritten jaxpr, numerics against
+float32 with tolerances from the format's epsilon, and composition with jit, grad and vmap."""
+
+import dataclasses
+import functools
+import warnings
+
+import numpy as np
+import pytest
+from frameworks import require
+
+jax = require("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.extend import core as jcore  # noqa: E402
+
+import polyamp as pa  # noqa: E402
+from polyamp import PolyampError, UnsupportedError  # noqa: E402
+from polyamp.backends import jax_autocast  # noqa: E402
+from polyamp.backends.jax_autocast import DEFAULT_RULES, AutocastRules  # noqa: E402
+from polyamp.compare import jax as cj  # noqa: E402
+from polyamp.compare.workloads import get_workload  # noqa: E402
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
+EPS = {"bf16-mixed": pa.get_format("bf16").eps, "fp16-mixed": pa.get_format("fp16").eps}
+LOW = {"bf16-mixed": BF16, "fp16-mixed": F16}
+
+
+def equations(jaxpr):
+    """Every equation of a jaxpr and of its sub-jaxprs, depth first."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            yield from equations(sub)
+
+
+def float_dtypes(atoms):
+    return [np.dtype(a.aval.dtype) for a in atoms if jnp.issubdtype(a.aval.dtype, jnp.floating)]
+
+
+def mp_for(policy="bf16-mixed"):
+    return pa.MixedPrecision(policy, framework="jax")
+
+
+@pytest.fixture(scope="module")
+def charlm():
+    wl = get_workload("charlm", quick=True)
+    params = {k: jnp.asarray(v) for k, v in wl.weights.items()}
+    x, y = cj.inputs(wl, *wl.batch_at(0))
+    return wl, params, x, y
+
+
+def check_rules(jaxpr, low, output=F32):
+    """Assert the rules on every equation; returns how many of each kind were seen."""
+    seen = {"dot": 0, "fp32": 0, "low": 0}
+    for eqn in equations(jaxpr):
+        name, ins, outs = eqn.primitive.name, float_dtypes(eqn.invars), float_dtypes(eqn.outvars)
+        if name in ("dot_general", "conv_general_dilated"):
+            assert ins and set(ins) == {low}, (name, ins)
+            assert eqn.params["preferred_element_type"] == F32
+            seen["dot"] += 1
+        elif name in DEFAULT_RULES.keep_fp32:
+            assert set(ins) <= {F32} and set(outs) <= {F32}, (name, ins, outs)
+            seen["fp32"] += ins == [F32] * len(ins) and bool(ins)
+        elif name == "convert_element_type":
+            seen["low"] += outs == [low]
+        elif name in DEFAULT_RULES.follow:
+            assert len(set(ins)) <= 1, (name, ins)
+        if low in outs and name != "convert_element_type":
+            assert name in ("dot_general", "conv_general_dilated", "custom_vjp_call"), name
+    return seen
+
+
+# -- the rewritten jaxpr -------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_every_equation_of_a_transformer_step_follows_the_rules(charlm, policy):
+    """Forward and backward of a small transformer: matmuls low-precision-in/f32-accumulate,
+    reductions, softmax, exp/log, rsqrt in f32, elementwise ops on one dtype; the only
+    low-precision values are the casts feeding the matmuls."""
+    wl, params, x, y = charlm
+    loss = mp_for(policy).autocast(functools.partial(cj.loss_fn, wl))
+    forward = jax.make_jaxpr(loss)(params, x, y).jaxpr
+    seen = check_rules(forward, LOW[policy])
+    # 6 dense layers per block (q, k, v, o, ff1, ff2), 2 attention matmuls, the head
+    assert seen["dot"] == 8 * wl.layers + 1
+    assert seen["fp32"] >= 10 and seen["low"] >= seen["dot"]
+    names = {e.primitive.name for e in equations(forward)}
+    assert {"reduce_max", "exp", "reduce_sum", "log", "rsqrt", "erfc"} <= names
+    step = jax.make_jaxpr(jax.value_and_grad(loss))(params, x, y).jaxpr
+    seen = check_rules(step, LOW[policy])
+    assert seen["dot"] >= 3 * (8 * wl.layers + 1) - 1  # forward + both transposes (no d/d ids)
+
+
+def test_integer_and_boolean_values_are_untouched():
+    def f(x, ids):
+        mask = x > 0
+        counts = jnp.cumsum(ids) * 3 + mask.sum()
+        return (x @ x.T).sum(), counts, mask, jnp.argmax(x, -1)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)), jnp.float32)
+    ids = jnp.arange(5, dtype=jnp.int32)
+    ref, got = f(x, ids), mp_for().autocast(f)(x, ids)
+    for a, b in zip(ref[1:], got[1:]):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    for eqn in equations(jax.make_jaxpr(mp_for().autocast(f))(x, ids).jaxpr):
+        if eqn.primitive.name == "convert_element_type":
+            assert jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating) == jnp.issubdtype(
+                eqn.params["new_dtype"], jnp.floating
+            ), "a cast between integer/bool and float that the function did not ask for"
+
+
+def test_output_dtypes_are_the_original_ones():
+    def f(x):
+        return (x @ x.T).sum(), x.astype(jnp.bfloat16) @ x.T.astype(jnp.bfloat16), x @ x.T
+
+    x = jnp.ones((3, 4))
+    outs = mp_for("p=f32,c=f16,o=f16").autocast(f)(x)
+    assert [o.dtype for o in outs] == [o.dtype for o in f(x)] == [F32, BF16, F32]
+
+
+# -- numerics against float32 --------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_matmul_error_is_within_the_rounding_bound(policy):
+    """Each product of two inputs rounded to the format (unit roundoff u = eps/2) is off by at most
+    (2u + u^2)|a||b|; float32 accumulation adds at most K * 2^-24 of sum |a||b|."""
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((32, 256), (256, 16)))
+    got = mp_for(policy).autocast(jnp.matmul)(a, b)
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    u = EPS[policy] / 2
+    bound = (2 * u + u * u + 256 * 2.0**-24) * (np.abs(np.asarray(a)) @ np.abs(np.asarray(b)))
+    assert got.dtype == F32 and np.all(np.abs(np.asarray(got) - ref) <= bound)
+    assert np.abs(np.asarray(got) - ref).max() > 2.0**-24 * np.abs(ref).max()  # it did round
+
+
+def loss_grads_logits(wl, mp=None):
+    """One jitted function: (loss, grads) of the loss and the logits, autocast by ``mp``."""
+    loss, forward = functools.partial(cj.loss_fn, wl), functools.partial(cj.forward, wl)
+    if mp is not None:
+        loss, forward = mp.autocast(loss), mp.autocast(forward)
+    return jax.jit(lambda p, x, y: (jax.value_and_grad(loss)(p, x, y), forward(p, x)))
+
+
+@pytest.fixture(scope="module")
+def float32_reference(charlm):
+    wl, params, x, y = charlm
+    return loss_grads_logits(wl)(params, x, y)
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "fp16-mixed"])
+def test_transformer_loss_logits_and_grads_match_float32(charlm, float32_reference, policy):
+    wl, params, x, y = charlm
+    eps = EPS[policy]
+    (l32, g32), logits32 = float32_reference
+    (l16, g16), logits = loss_grads_logits(wl, mp_for(policy))(params, x, y)
+    assert l16.dtype == F32 and abs(float(l16 - l32)) <= eps * abs(float(l32))
+    assert float(jnp.abs(logits - logits32).max()) <= 4 * eps * float(jnp.abs(logits32).max())
+    total = np.sqrt(sum(float(jnp.sum(g**2)) for g in g32.values()))
+    diff = np.sqrt(sum(float(jnp.sum((g16[k] - g32[k]) ** 2)) for k in g32))
+    assert diff <= 2 * eps * total
+    assert diff > 0  # the backward did run in low precision
+
+
+# -- composition ---------------------------------------------------------------------------------
+def mlp_loss(p, x):
+    h = jax.nn.gelu(x @ p["w1"] + p["b1"])
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+
+def mlp_params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w1": jnp.asarray(rng.standard_normal((8, 16)) / 3, jnp.float32), "b1": jnp.zeros(16),
+            "w2": jnp.asarray(rng.standard_normal((16, 4)) / 4, jnp.float32)}  # fmt: skip
+
+
+def test_jit_grad_and_vmap_compose():
+    p = mlp_params()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((6, 8)), jnp.float32)
+    f = mp_for().autocast(mlp_loss)
+    eager, jitted = jax.grad(f)(p, x), jax.jit(jax.grad(f))(p, x)
+    ref = jax.jit(jax.grad(mlp_loss))(p, x)
+    for k in p:
+        np.testing.assert_allclose(eager[k], jitted[k], rtol=1e-6, atol=1e-7)
+        tol = 4 * EPS["bf16-mixed"] * float(jnp.abs(ref[k]).max())
+        np.testing.assert_allclose(jitted[k], ref[k], rtol=0, atol=tol)
+    one = jax.jit(f)
+    per_example = jax.jit(jax.vmap(f, in_axes=(None, 0)))(p, x[:, None])
+    assert np.allclose(per_example, [one(p, x[i : i + 1]) for i in range(6)], rtol=1e-6)
+    per_example_grads = jax.jit(jax.vmap(jax.grad(f), in_axes=(None, 0)))(p, x[:, None])
+    assert per_example_grads["w1"].shape == (6, 8, 16)
+    np.testing.assert_allclose(per_example_grads["w1"][2], jax.jit(jax.grad(f))(p, x[2:3])["w1"],
+                               rtol=1e-5, atol=1e-7)  # fmt: skip
+    assert jax.make_jaxpr(f)(p, x).out_avals[0].dtype == F32
+
+
+def test_autocast_of_a_closure_over_traced_values_under_jit():
+    p = mlp_params()
+    x = jnp.ones((4, 8))
+
+    @jax.jit
+    def outer(p, x):
+        return mp_for().autocast(lambda p: mlp_loss(p, x * 2))(p)
+
+    assert np.isclose(outer(p, x), mlp_loss(p, x * 2), rtol=4 * EPS["bf16-mixed"])
+
+
+def sub_jaxpr_fn(w, x, loop=True):
+    """Matmuls inside scan, while (reverse mode cannot differentiate it), cond, remat, jit,
+    custom_jvp and custom_vjp."""
+
+    def body(c, xi):
+        return c + jnp.tanh(xi @ w).sum(), xi @ w
+
+    c, ys = lax.scan(body, 0.0, x)
+    n, z = (
+        lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, s[1] @ w), (0, x[0])) if loop else (0, x[0])
+    )
+    branch = lax.cond(c > 0, lambda a: (a @ w).sum(), lambda a: a.sum(), x[1])
+    remat = jax.checkpoint(lambda a: jnp.sin(a @ w).sum())(x[2])
+    inner = jax.jit(lambda a: jax.nn.relu(a @ w).sum())(x[0])
+    return (
+        c + ys.sum() + z.sum() + branch + remat + inner + twice_grad(x[0] @ w).sum() + x[1] @ w @ ones_vjp(w)
+    )
+
+
+@jax.custom_jvp
+def twice_grad(a):
+    return a * 1.0
+
+
+twice_grad.defjvp(lambda primals, tangents: (twice_grad(primals[0]), 2.0 * tangents[0]))
+
+
+@jax.custom_vjp
+def ones_vjp(w):
+    return w @ jnp.ones((w.shape[1],))
+
+
+ones_vjp.defvjp(lambda w: (ones_vjp(w), None), lambda _, ct: (jnp.full((8, 8), 7.0) * ct.sum(),))
+
+
+def body_of(eqn):
+    p = eqn.params
+    closed = p.get("jaxpr") or p.get("body_jaxpr") or (p["branches"][-1] if "branches" in p else None)
+    return getattr(closed, "jaxpr", closed)
+
+
+def test_recurses_into_control_flow_remat_jit_and_custom_derivatives():
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((8, 8)) / 4, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 8)), jnp.float32)
+    f = mp_for().autocast(sub_jaxpr_fn)
+    jaxpr = jax.make_jaxpr(f)(w, x).jaxpr
+    seen = check_rules(jaxpr, BF16)
+    assert seen["dot"] >= 9
+    bodies = {e.primitive.name: body_of(e) for e in jaxpr.eqns}
+    assert {"scan", "while", "cond"} <= set(bodies) and {"remat2", "checkpoint"} & set(bodies)
+    for name in ("scan", "while", "cond"):  # the loop and branch bodies hold bf16 matmuls
+        assert any(e.primitive.name == "dot_general" and float_dtypes(e.invars) == [BF16, BF16]
+                   for e in equations(bodies[name])), name  # fmt: skip
+    tol = 8 * EPS["bf16-mixed"]
+    np.testing.assert_allclose(jax.jit(f)(w, x), jax.jit(sub_jaxpr_fn)(w, x), rtol=tol)
+    no_loop = functools.partial(sub_jaxpr_fn, loop=False)
+    g = jax.jit(jax.grad(mp_for().autocast(no_loop), argnums=(0, 1)))(w, x)
+    ref = jax.jit(jax.grad(no_loop, argnums=(0, 1)))(w, x)
+    for a, b in zip(g, ref):
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * float(jnp.abs(b).max()))
+
+
+def test_custom_derivative_rules_are_kept():
+    x = jnp.ones((2, 8))
+    w = jnp.eye(8)
+    f = mp_for().autocast(lambda x: twice_grad(x @ w).sum())
+    assert np.allclose(jax.grad(f)(x), 2.0)  # the custom jvp's 2, not the primal's 1
+    g = mp_for().autocast(lambda w: ones_vjp(w).sum())
+    assert np.allclose(jax.grad(g)(w), 7.0 * 8)  # the custom bwd's 7 * sum(ct)
+
+
+# -- rules, extension, fallbacks -----------------------------------------------------------------
+def dtype_of(fn, name, *args):
+    eqns = [e for e in equations(jax.make_jaxpr(fn)(*args).jaxpr) if e.primitive.name == name]
+    return float_dtypes(eqns[0].invars)[0]
+
+
+def test_rules_are_a_table_users_extend():
+    def f(x):
+        return jnp.tanh(x @ x.T.astype(jnp.float16)).sum()
+
+    x = jnp.ones((4, 4), jnp.float16)
+    policy = "p=f32,c=f16,o=f16"  # matmul outputs stay float16, so the rule decides tanh's dtype
+    assert dtype_of(mp_for(policy).autocast(f), "tanh", x) == F16
+    rules = DEFAULT_RULES.extend(keep_fp32=["tanh"])
+    assert "tanh" in rules.keep_fp32 and "tanh" not in rules.follow
+    assert dtype_of(mp_for(policy).autocast(f, rules=rules), "tanh", x) == F32
+    allowed = DEFAULT_RULES.extend(allow=["tanh"])
+    g = mp_for("bf16-mixed").autocast(lambda x: jnp.tanh(x).sum(), rules=allowed)
+    assert dtype_of(g, "tanh", jnp.ones(3)) == BF16
+    with pytest.raises(PolyampError, match="unknown autocast rule class 'fp32'"):
+        DEFAULT_RULES.extend(fp32=["exp"])
+    with pytest.raises(PolyampError, match="list of primitive names, got the string"):
+        DEFAULT_RULES.extend(allow="exp")
+    with pytest.raises(PolyampError, match="'exp' is in both"):
+        AutocastRules(allow={"exp"})
+    with pytest.raises(PolyampError, match="rules must be an AutocastRules"):
+        mp_for().autocast(f, rules={"allow": ["exp"]})
+    with pytest.raises(PolyampError, match="rules= applies to JAX's mp.autocast"):
+        mp_for().autocast(rules=rules)
+
+
+def _sum_of_squares_primitive():
+    from jax.interpreters import mlir
+
+    prim = jcore.Primitive("polyamp_test_sumsq")
+    prim.def_impl(lambda x: jnp.sum(x.astype(jnp.float32) ** 2).astype(x.dtype))
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray((), x.dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(prim.impl, multiple_results=False))
+    return prim
+
+
+def test_unknown_primitive_runs_in_its_original_dtype_with_one_warning():
+    prim = _sum_of_squares_primitive()
+
+    def f(x):
+        return prim.bind(x @ x.T) + jnp.sum(x @ x.T)
+
+    x = jnp.full((4, 64), 10.0)  # 6400 per element; their squares are past float16's 65504
+    g = mp_for("p=f32,c=f16,o=f16").autocast(f)
+    jax_autocast._warned.discard("polyamp_test_sumsq")
+    with pytest.warns(RuntimeWarning, match="no rule for the JAX primitive 'polyamp_test_sumsq'"):
+        jaxpr = jax.make_jaxpr(g)(x).jaxpr
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        out = g(x)
+    eqn = next(e for e in equations(jaxpr) if e.primitive.name == "polyamp_test_sumsq")
+    assert float_dtypes(eqn.invars) == [F32]
+    assert np.isfinite(out) and np.isclose(out, f(x), rtol=1e-3)
+
+
+def test_no_silent_float16_reduction():
+    def f(x):
+        h = x @ x.T
+        return jnp.sum(h) + jax.nn.logsumexp(h) + jnp.cumsum(h, axis=0).max() + jnp.mean(jnp.exp(-h))
+
+    x = jnp.full((4, 64), 10.0)  # 16 elements of 6400: a float16 sum would overflow
+    for policy in ("fp16-mixed", "p=f32,c=f16,o=f16", "fp16-true"):
+        g = mp_for(policy).autocast(f)
+        for eqn in equations(jax.make_jaxpr(g)(x).jaxpr):
+            if eqn.primitive.name in DEFAULT_RULES.keep_fp32:
+                assert F16 not in float_dtypes(eqn.invars), (policy, eqn.primitive.name)
+        assert np.isfinite(g(x)), policy
+
+
+def test_float32_policy_is_the_identity_and_bad_input_is_refused():
+    f = mp_for("float32").autocast(mlp_loss)
+    assert f is mlp_loss
+    assert mp_for("bf16-mixed").autocast(mlp_loss, enabled=False) is mlp_loss
+    for policy in ("bf16-mixed", "float32"):
+        with pytest.raises(PolyampError, match="expects a function to rewrite, got int"):
+            mp_for(policy).autocast(3)
+    with pytest.raises(UnsupportedError, match="needs float64, which JAX disables"):
+        mp_for("float64").autocast(mlp_loss)
+    with pytest.raises(PolyampError, match="JAX has no autocast context"):
+        mp_for().autocast()
+
+
+def test_convolution_forward_and_backward_run_in_low_precision():
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 3, 16, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((4, 3, 3, 3)) / 5, jnp.float32)
+
+    def loss(k, x):
+        y = lax.conv_general_dilated(x, k, (1, 1), "SAME")
+        return jnp.mean(jax.nn.relu(y) ** 2)
+
+    f = mp_for().autocast(loss)
+    step = jax.make_jaxpr(jax.grad(f))(k, x).jaxpr
+    convs = [e for e in equations(step) if e.primitive.name == "conv_general_dilated"]
+    assert len(convs) >= 2 and all(float_dtypes(e.invars) == [BF16, BF16] for e in convs)
+    g, ref = jax.jit(jax.grad(f))(k, x), jax.jit(jax.grad(loss))(k, x)
+    assert 0 < float(jnp.linalg.norm(g - ref)) <= 4 * EPS["bf16-mixed"] * float(jnp.linalg.norm(ref))
+
+
+def test_forward_mode_needs_the_plain_backward():
+    x = jnp.ones((2, 8))
+    plain = dataclasses.replace(DEFAULT_RULES, low_precision_backward=False)
+    f = mp_for().autocast(lambda x: (x @ x.T).sum(), rules=plain)
+    _, tangent = jax.jvp(f, (x,), (jnp.ones_like(x),))
+    assert float(tangent) == 64.0  # d/dt |sum of rows of (x + t)|^2 = 2 * (2 * ones) . (2 * ones)
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(mp_for().autocast(lambda x: (x @ x.T).sum()), (x,), (jnp.ones_like(x),))
+    with pytest.raises(PolyampError, match="low_precision_backward must be True or False"):
+        AutocastRules(low_precision_backward="yes")

@@ -1,0 +1,608 @@
+"""The MXNet backend end to end (run in .venv-mxnet), against the real mxnet.contrib.amp.
+
+MXNet's AMP is process-wide: this module sets up bf16-mixed once, before any network is built;
+what needs another process state (float32, a network built first, amp.init called by hand) runs
+in a fresh subprocess.
+"""
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from frameworks import require
+
+import polyamp as pa
+from polyamp import NonFiniteError, PolyampError, UnsupportedError
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    mx = require("mxnet")
+from mxnet import autograd, gluon  # noqa: E402
+from mxnet.contrib import amp  # noqa: E402
+
+MP = pa.MixedPrecision("bf16-mixed", framework="mxnet")  # amp.init, before any network exists
+ROOT = Path(__file__).parents[1]
+L2 = gluon.loss.L2Loss()
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:the loss scale fell below 1:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:Please import `csr_matrix`:DeprecationWarning"),  # inside mxnet
+]
+
+
+def build(seed=0, hybridize=True, ctx=None, grad_req="write", activation="relu"):
+    """Dense(8->16, relu) -> Dense(1), weights from a numpy seed (the same in every process)."""
+    rng = np.random.default_rng(seed)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(16, activation=activation, in_units=8), gluon.nn.Dense(1, in_units=16))
+    net.initialize(ctx=ctx or mx.cpu())
+    for p in net.collect_params().values():
+        p.set_data(mx.nd.array(rng.uniform(-0.5, 0.5, p.shape).astype(np.float32)))
+        p.grad_req = grad_req
+    if hybridize:
+        net.hybridize()
+    return net
+
+
+def batch(i, size=32):
+    rng = np.random.default_rng(1000 + i)
+    x = rng.standard_normal((size, 8)).astype(np.float32)
+    return mx.nd.array(x), mx.nd.array(np.sin(x.sum(1, keepdims=True)))
+
+
+def params_of(net):
+    return [p.data().asnumpy().copy() for p in net.collect_params().values()]
+
+
+def same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def backward(mp, net, trainer, x, y):
+    with autograd.record():
+        loss = L2(net(x), y)
+        with mp.scale_loss(loss, trainer) as scaled:
+            autograd.backward(scaled)
+    return loss
+
+
+def is_bf16(arr):
+    return np.dtype(arr.dtype).names == ("bfloat16",)
+
+
+def run_python(code, *args, python=sys.executable, env=None):
+    out = subprocess.run([python, "-c", code, *map(str, args)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env={**os.environ, **(env or {})})  # fmt: skip
+    return out
+
+
+# -- the policy ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_dense_layers_run_in_bf16_and_the_loss_in_fp32(hybridize):
+    net = build(hybridize=hybridize)
+    x, y = batch(0)
+    with MP.autocast():  # MXNet's AMP is already on for the process: this only checks it
+        out = net(x)
+    loss = L2(out, y)
+    assert is_bf16(out) and np.dtype(loss.dtype) == np.float32
+    assert net[0].weight.data().dtype == np.float32  # parameters stay float32
+    assert MP.current_scale == 1.0 and isinstance(MP.loss_scale, pa.NoLossScale)
+
+
+# -- against contrib.amp ------------------------------------------------------------------------
+def test_bf16_steps_are_bit_identical_to_contrib_amp_on_the_same_overflow_pattern():
+    """Native: amp.init_trainer + amp.scale_loss + trainer.step, contrib's LossScaler. polyamp: the
+    mxnet preset. Same weights, data and injected overflows: same skips, scales and weights."""
+    native, ours = build(), build()
+    t_native = gluon.Trainer(
+        native.collect_params(), "adam", {"learning_rate": 1e-2}, update_on_kvstore=False
+    )
+    amp.init_trainer(t_native)
+    t_native._amp_loss_scaler._scale_seq_len = 4  # a short growth window, to exercise growth
+    ls = dataclasses.replace(pa.DynamicLossScale.preset("mxnet"), growth_interval=4)
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=ls)
+    t_ours = mp.trainer(gluon.Trainer(ours.collect_params(), "adam", {"learning_rate": 1e-2}))
+    overflow = {2, 3, 9, 10, 11, 18}
+    grew = False
+    for step in range(30):
+        x, y = batch(step)
+        scale_used = t_native._amp_loss_scaler.loss_scale
+        assert mp.current_scale == scale_used  # the scale this step's loss is multiplied by
+        with autograd.record():
+            loss = L2(native(x), y)
+            with amp.scale_loss(loss, t_native) as scaled:
+                autograd.backward(scaled)
+        if step in overflow:
+            native[0].weight.grad()[0, 0] = np.inf
+        before = params_of(native)
+        t_native.step(x.shape[0])
+        native_stepped = not same(before, params_of(native))
+
+        backward(mp, ours, t_ours, x, y)
+        if step in overflow:
+            ours[0].weight.grad()[0, 0] = np.inf
+        result = mp.step(t_ours, x.shape[0])
+
+        assert result.stepped == native_stepped == (step not in overflow)
+        assert result.scale == t_native._amp_loss_scaler.loss_scale
+        assert same(params_of(native), params_of(ours)), step
+        grew = grew or result.scale > scale_used
+    assert grew and mp.state.skipped == len(overflow)
+
+
+def loss_scaler_run(flags, window=None, start=None):
+    """Drive contrib.amp's real LossScaler.has_overflow with a finite or inf gradient."""
+    param = gluon.Parameter("w", shape=(4,))
+    param.initialize()
+    scaler = amp.loss_scaler.LossScaler()
+    if window:
+        scaler._scale_seq_len = window
+    if start:
+        scaler._loss_scale = scaler._next_loss_scale = start
+    scales = []
+    for finite in flags:
+        param.grad()[:] = 1.0 if finite else np.inf
+        assert scaler.has_overflow([param]) == (not finite)
+        scales.append(scaler.loss_scale)
+    return scales
+
+
+def scales_of(ls, flags):
+    """``state.scale`` after each ``ls.update``."""
+    state, scales = ls.init(), []
+    for finite in flags:
+        state = ls.update(state, finite)
+        scales.append(state.scale)
+    return scales
+
+
+def preset_run(flags, **changes):
+    return scales_of(dataclasses.replace(pa.DynamicLossScale.preset("mxnet"), **changes), flags)
+
+
+def test_mxnet_preset_equals_the_real_loss_scaler_at_its_defaults():
+    rng = np.random.default_rng(3)
+    flags = [False] * 3 + list(rng.random(900) > 0.01) + [True] * 2000 + [False] + [True] * 2100
+    expected = loss_scaler_run(flags)
+    assert preset_run(flags) == expected
+    growths = [i for i in range(1, len(flags)) if expected[i] > expected[i - 1]]
+    assert len(growths) == 2  # each 2000 clean steps after an overflow, one step late
+
+
+def test_mxnet_preset_equals_the_real_loss_scaler_at_the_cap_and_below_one():
+    flags = [True] * 20 + [False] + [True] * 9 + [False] * 3 + [True] * 7
+    expected = loss_scaler_run(flags, window=3, start=2.0**22)
+    assert preset_run(flags, growth_interval=3, init_scale=2.0**22) == expected
+    assert max(expected) == 2.0**24  # capped at contrib.amp's 2^24
+    flags = [False] * 20 + [True] * 4
+    expected = loss_scaler_run(flags, window=3)
+    assert preset_run(flags, growth_interval=3) == expected and min(expected) == 2.0**-4  # no floor
+
+
+# -- fault injection -------------------------------------------------------------------------------
+def test_fault_injection_2000_steps():
+    rng = np.random.default_rng(0)
+    net = build()
+    ls = pa.DynamicLossScale(growth_interval=20)
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=ls)
+    trainer = mp.trainer(gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 1e-3}))
+    params = list(net.collect_params().values())
+    flags, scales = [], []
+    for step in range(2000):
+        x, y = batch(step % 50, size=8)
+        backward(mp, net, trainer, x, y)
+        injected = rng.random() < 0.05
+        if injected:
+            param = params[rng.integers(len(params))]
+            flat = param.grad().reshape((-1,))
+            flat[int(rng.integers(flat.size))] = float(rng.choice([np.inf, -np.inf, np.nan]))
+        before = params_of(net) if injected or step % 10 == 0 else None
+        result = mp.step(trainer, x.shape[0])
+        assert result.stepped == (not injected), step
+        if injected:
+            assert result.nonfinite == (param.name,) and same(before, params_of(net))
+        elif before is not None:
+            assert not same(before, params_of(net))
+        flags.append(not injected)
+        scales.append(result.scale)
+    assert all(np.isfinite(p).all() for p in params_of(net))
+    assert scales == scales_of(ls, flags) and 1.0 <= min(scales) and max(scales) <= 2.0**24
+    assert any(b > a for a, b in zip(scales, scales[1:])) and 80 <= flags.count(False) <= 120
+
+
+def test_nan_loss_every_step_raises_after_max_consecutive_skips():
+    net = build()
+    mp = pa.MixedPrecision(
+        "bf16-mixed", framework="mxnet", loss_scale=pa.NoLossScale(max_consecutive_skips=5)
+    )
+    trainer = mp.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}))
+    x, y = batch(0)
+    x[0, 0] = np.nan
+    for _ in range(4):
+        backward(mp, net, trainer, x, y)
+        assert not mp.step(trainer, 32).stepped
+    backward(mp, net, trainer, x, y)
+    with pytest.raises(NonFiniteError, match=r"5 consecutive steps.*dense\d+_weight"):
+        mp.step(trainer, 32)
+
+
+# -- the rest of the step --------------------------------------------------------------------------
+def test_clipping_reports_the_unscaled_norm_and_clips():
+    net, reference = build(), build()
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=1024.0)
+    trainer = mp.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}))
+    x, y = batch(0)
+    backward(mp, net, trainer, x, y)
+    with autograd.record():
+        L2(reference(x), y).backward()
+    expected = np.sqrt(sum((p.grad().asnumpy() ** 2).sum() for p in reference.collect_params().values()))
+    grads_before = [p.grad() for p in net.collect_params().values()]
+    result = mp.step(trainer, 32, clip_grad_norm=1e-3)
+    assert result.stepped and result.grad_norm == pytest.approx(expected, rel=1e-5)
+    total = np.sqrt(sum((g.asnumpy() ** 2).sum() for g in grads_before))
+    assert total == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_gradient_accumulation_is_refused_because_mxnet_bf16_amp_drops_it():
+    """MXNet 1.9 with bf16 AMP leaves gradients at 0 when grad_req='add': polyamp says so."""
+    net = build(grad_req="add")
+    x, y = batch(0)
+    with autograd.record():
+        L2(net(x), y).backward()
+    assert all(not p.grad().asnumpy().any() for p in net.collect_params().values())  # MXNet's bug
+    with pytest.raises(
+        UnsupportedError, match=r"drops gradients accumulated with grad_req='add'.*dense\d+_weight"
+    ):
+        MP.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}))
+    net = build()
+    trainer = MP.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}))
+    net[1].bias.grad_req = "add"
+    backward(MP, net, trainer, x, y)
+    with pytest.raises(UnsupportedError, match=r"grad_req='add' \(they stay 0; parameters dense\d+_bias\)"):
+        MP.step(trainer, 32)
+
+
+def test_several_trainers_step_or_skip_together():
+    net = build()
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet")
+    first = mp.trainer(gluon.Trainer(net[0].collect_params(), "sgd", {"learning_rate": 0.1}))
+    second = mp.trainer(gluon.Trainer(net[1].collect_params(), "adam", {"learning_rate": 0.1}))
+    x, y = batch(0)
+    backward(mp, net, first, x, y)
+    net[1].bias.grad()[0] = np.inf
+    before = params_of(net)
+    result = mp.step([first, second], 32)
+    assert not result.stepped and result.nonfinite == (net[1].bias.name,)
+    assert same(before, params_of(net))
+    backward(mp, net, first, x, y)
+    assert mp.step([first, second], 32).stepped
+    assert not any(np.array_equal(a, b) for a, b in zip(before, params_of(net)))
+
+
+def test_two_devices_are_all_reduced_before_the_check_and_update_off_the_kvstore():
+    """Two CPU contexts hold a copy each; the trainer's kvstore sums their gradients, so an inf in
+    one copy skips the step on both, and a clean step equals one device on the whole batch."""
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    net, single = build(ctx=ctx), build()
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet")
+    trainer = mp.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}))
+    t_single = mp.trainer(gluon.Trainer(single.collect_params(), "sgd", {"learning_rate": 0.1}))
+    x, y = batch(0)
+
+    def copies():
+        return [d.asnumpy() for p in net.collect_params().values() for d in p.list_data()]
+
+    def backward_split():
+        xs, ys = gluon.utils.split_and_load(x, ctx), gluon.utils.split_and_load(y, ctx)
+        with autograd.record():
+            losses = [L2(net(a), b) for a, b in zip(xs, ys)]
+            with mp.scale_loss(losses, trainer) as scaled:
+                autograd.backward(scaled)
+
+    backward_split()
+    net[0].weight.list_grad()[1][0, 0] = np.inf  # only the copy on cpu(1)
+    before = copies()
+    assert not mp.step(trainer, 32).stepped and same(before, copies())
+    backward_split()
+    assert mp.step(trainer, 32).stepped
+    assert trainer._kvstore is not None and trainer._update_on_kvstore is False
+    backward(mp, single, t_single, x, y)
+    mp.step(t_single, 32)
+    for p, q, w0 in zip(net.collect_params().values(), single.collect_params().values(), before[::2]):
+        a, b = (d.asnumpy() for d in p.list_data())
+        assert np.array_equal(a, b)
+        # bf16 rounds each device's partial weight gradient (2^-9 relative) before the sum
+        update, expected = a - w0, q.data().asnumpy() - w0
+        np.testing.assert_allclose(update, expected, rtol=0, atol=0.02 * np.abs(expected).max())
+
+
+def test_debug_names_the_first_layer_with_a_nonfinite_output():
+    net = build(hybridize=False, activation="tanh")  # relu would turn the NaN into 0
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", debug=True)
+    mp.watch(net)
+    trainer = mp.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}))
+    x, y = batch(0)
+    x[3, 2] = np.nan
+    backward(mp, net, trainer, x, y)
+    result = mp.step(trainer, 32)
+    assert not result.stepped and result.origin.startswith(f"forward output of {net[0].name}")
+    assert set(result.nonfinite) >= {net[0].weight.name, net[1].weight.name}
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def test_state_dict_round_trips_every_field_and_checks_the_policy():
+    ls = dataclasses.replace(pa.DynamicLossScale.preset("mxnet"), growth_interval=3)
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=ls)
+    for finite in [True, True, False, True, True, True, False]:
+        mp.state = mp.loss_scale.update(mp.state, finite)
+    saved = pickle.loads(pickle.dumps(mp.state_dict()))
+    other = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=ls)
+    other.load_state_dict(saved)
+    assert other.state == mp.state and other.state.next_scale is not None
+    with pytest.raises(PolyampError, match="saved with policy 'float32'"):
+        other.load_state_dict({**saved, "policy": "float32"})
+    assert other.state == mp.state
+
+
+RESUME = """
+import dataclasses, hashlib, json, pickle, sys
+import numpy as np
+sys.path.insert(0, "tests")
+import test_mxnet as t
+import polyamp as pa
+from mxnet import gluon
+
+mode, start, stop, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ls = dataclasses.replace(pa.DynamicLossScale.preset("mxnet"), growth_interval=5)
+mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=ls)
+net = t.build()
+trainer = mp.trainer(gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 1e-2}))
+if mode == "resume":
+    with open(path + ".mp", "rb") as f:
+        mp.load_state_dict(pickle.load(f))
+    net.load_parameters(path + ".params")
+    trainer.load_states(path + ".states")
+scales = []
+for step in range(start, stop):
+    x, y = t.batch(step)
+    t.backward(mp, net, trainer, x, y)
+    if step % 7 == 3:
+        net[1].weight.grad()[0, 1] = np.nan
+    scales.append(mp.step(trainer, 32).scale)
+if mode == "save":
+    with open(path + ".mp", "wb") as f:
+        pickle.dump(mp.state_dict(), f)
+    net.save_parameters(path + ".params")
+    trainer.save_states(path + ".states")
+digest = hashlib.sha256(b"".join(p.tobytes() for p in t.params_of(net))).hexdigest()
+print(json.dumps({"scales": scales, "params": digest, "state": mp.state_dict()["state"]}))
+"""
+
+
+def test_resume_in_a_new_process_is_bit_identical(tmp_path):
+    def run(*args):
+        out = run_python(RESUME, *args, tmp_path / "ckpt")
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    whole = run("whole", 0, 40)
+    first = run("save", 0, 20)
+    second = run("resume", 20, 40)
+    assert first["scales"] + second["scales"] == whole["scales"]
+    assert second["params"] == whole["params"] and second["state"] == whole["state"]
+    assert first["params"] != whole["params"] and whole["state"]["skipped"] == 6
+
+
+# -- bad input: one clear error each, nothing changed ----------------------------------------------
+def test_fp16_on_cpu_is_unsupported_with_the_reason():
+    with pytest.raises(UnsupportedError, match=r"FullyConnected exists only in the cuDNN .*'bf16-mixed'"):
+        pa.MixedPrecision("fp16-mixed", framework="mxnet")
+    with pytest.raises(UnsupportedError, match="cuDNN"):
+        pa.MixedPrecision("fp16-mixed", framework="mxnet", device="cpu")
+    with pytest.raises(UnsupportedError, match=r"got policy 'bf16-true'.*accepted: 'float32', 'bf16-mixed'"):
+        pa.MixedPrecision("bf16-true", framework="mxnet")
+
+
+def test_a_trainer_updating_on_the_kvstore_is_refused():
+    net = build()
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=True)
+    with pytest.raises(
+        PolyampError, match=r"update_on_kvstore=True.*gluon.Trainer\(\.\.\., update_on_kvstore=False\)"
+    ):
+        MP.trainer(trainer)
+    assert not getattr(trainer, "_polyamp", False) and trainer._kvstore_params["update_on_kvstore"] is True
+
+
+def test_trainer_misuse_is_refused():
+    net = build()
+    native = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
+    amp.init_trainer(native)
+    with pytest.raises(PolyampError, match="contrib.amp.init_trainer"):
+        MP.trainer(native)
+    with pytest.raises(PolyampError, match=r"takes a mxnet.gluon.Trainer, got mxnet.gluon.nn.basic_layers"):
+        MP.trainer(net)
+    raw = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    x, y = batch(0)
+    with pytest.raises(PolyampError, match=r"not prepared: use trainer = mp.trainer"):
+        backward(MP, net, raw, x, y)
+
+
+def test_step_misuse_is_refused_and_changes_nothing():
+    net = build()
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale="mxnet")
+    trainer = mp.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}))
+    x, y = batch(0)
+    with pytest.raises(PolyampError, match="inside autograd.record"):
+        mp.scale_loss(L2(net(x), y), trainer)
+    with autograd.record(), pytest.raises(PolyampError, match="floating-point mxnet NDArray, got int32"):
+        mp.scale_loss(mx.nd.ones((2,), dtype="int32"), trainer)
+    backward(mp, net, trainer, x, y)
+    grads = [p.grad().asnumpy() for p in net.collect_params().values()]
+    before, state = params_of(net), mp.state
+    for bad in (None, 0, -3, True):
+        with pytest.raises(PolyampError, match=rf"positive number .*got batch_size={bad!r}"):
+            mp.step(trainer, bad)
+    assert mp.state == state and same(before, params_of(net))
+    assert same(grads, [p.grad().asnumpy() for p in net.collect_params().values()])  # still scaled
+    assert mp.step(trainer, 32).stepped
+    with pytest.raises(PolyampError, match="no parameter has a new gradient"):
+        mp.step(trainer, 32)
+    with pytest.raises(PolyampError, match="process_group is not used by the mxnet backend"):
+        grouped = pa.MixedPrecision("bf16-mixed", framework="mxnet", process_group=object())
+        backward(grouped, net, grouped.trainer(gluon.Trainer(net.collect_params(), "sgd")), x, y)
+        grouped.step(trainer, 32)
+
+
+def test_float32_in_a_process_running_bf16_amp_is_refused():
+    with pytest.raises(PolyampError, match="process-wide .* bfloat16; it cannot be turned off"):
+        pa.MixedPrecision("float32", framework="mxnet")
+
+
+FRESH = """
+import sys, warnings
+import numpy as np
+import polyamp as pa
+import mxnet as mx
+from mxnet import gluon
+from mxnet.contrib import amp
+case = sys.argv[1]
+def net():
+    n = gluon.nn.HybridSequential()
+    n.add(gluon.nn.Dense(4, in_units=3))
+    n.initialize()
+    n.hybridize()
+    n(mx.nd.ones((2, 3)))
+    return n
+try:
+    if case == "network-first":
+        existing = net()
+        pa.MixedPrecision("bf16-mixed", framework="mxnet")
+    elif case == "amp-by-hand":
+        amp.init(target_dtype="bfloat16")
+        pa.MixedPrecision("bf16-mixed", framework="mxnet")
+    elif case == "inferred-late":
+        mp = pa.MixedPrecision("bf16-mixed")  # framework not named: found from the trainer, too late
+        existing = net()
+        mp.trainer(gluon.Trainer(existing.collect_params(), "sgd"))
+    elif case == "float32":
+        mp = pa.MixedPrecision("float32", framework="mxnet")
+        existing = net()
+        out = existing(mx.nd.ones((2, 3)))
+        print("dtype", np.dtype(out.dtype).name, "amp", amp.amp._amp_initialized)
+        pa.MixedPrecision("bf16-mixed", framework="mxnet")
+except pa.PolyampError as err:
+    print(type(err).__name__ + ":", err)
+"""
+
+
+BEFORE_THE_NETWORK = r"MXNet's AMP must be set up before the network is built"
+FRESH_CASES = {
+    "network-first": BEFORE_THE_NETWORK + r", but 1 Gluon block\(s\).*Create MixedPrecision\('bf16-mixed', "
+    r"framework='mxnet'\) first, then build the network",
+    "amp-by-hand": r"initialised outside polyamp \(amp.init\); remove that call",
+    "inferred-late": BEFORE_THE_NETWORK,
+    "float32": r"dtype float32 amp False\nPolyampError: " + BEFORE_THE_NETWORK,
+}
+
+
+@pytest.mark.parametrize("case", list(FRESH_CASES))
+def test_policy_set_after_the_network_exists_is_one_clear_error(case):
+    out = run_python(FRESH, case)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(FRESH_CASES[case], out.stdout, re.S), out.stdout
+
+
+# -- the example, the compare networks, the core under numpy 1.23 ---------------------------------
+def test_example_trains_skips_the_injected_overflows_and_refuses_fp16():
+    example = str(ROOT / "examples" / "mxnet_amp.py")
+
+    def run(*args):
+        return subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=300)
+
+    out = run("--loss-scale", "mxnet", "--overflow-every", "10", "--steps", "200")
+    assert out.returncode == 0, out.stderr[-2000:]
+    match = re.search(
+        r"ran in bfloat16; loss ([\d.]+) -> ([\d.]+), (\d+) steps skipped, final scale ([\d.e+-]+)",
+        out.stdout,
+    )
+    assert match, out.stdout
+    first, last, skipped, scale = match.groups()
+    assert float(last) < float(first) / 5 and int(skipped) == 20
+    assert float(scale) == 2.0**16 / 2**20  # contrib.amp's scaler halves without a floor
+    fp16 = run("--policy", "fp16-mixed", "--steps", "3")
+    assert fp16.returncode == 2 and "unsupported here" in fp16.stdout and "cuDNN" in fp16.stdout
+
+
+LOSSES = """
+import importlib, json, sys
+from polyamp.compare.workloads import get_workload
+module = importlib.import_module("polyamp.compare." + sys.argv[1])
+out = {}
+for name in ("mlp", "charlm", "digits"):
+    trainer = module.Trainer(get_workload(name, quick=True), sys.argv[2])
+    out[name] = [trainer.step(i) for i in range(3)] + [trainer.evaluate()]
+print(json.dumps(out))
+"""
+MAIN_PYTHON = ROOT / ".venv" / "bin" / "python"
+
+
+def losses(python, framework, policy):
+    out = run_python(LOSSES, framework, policy, python=python)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_compare_builds_the_same_networks_as_torch():
+    """float32, quick sizes: the first three train losses and the metric match compare/torch.py."""
+    if not MAIN_PYTHON.exists():
+        pytest.skip("needs the main environment (.venv, with torch) to compare against")
+    ours, theirs = losses(sys.executable, "mxnet", "float32"), losses(MAIN_PYTHON, "torch", "float32")
+    for name in ours:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-4)
+    from polyamp.compare import mxnet as compare_mxnet  # bf16 AMP is already on in this process
+    from polyamp.compare.workloads import get_workload
+
+    for name in ours:
+        trainer = compare_mxnet.Trainer(get_workload(name, quick=True), "bf16-mixed")
+        bf16 = [trainer.step(i) for i in range(3)]
+        assert trainer.last.stepped and trainer.mp.current_scale == 1.0
+        np.testing.assert_allclose(bf16, ours[name][:3], rtol=2e-2)
+
+
+NUMERICS = """
+import hashlib, sys
+import numpy as np
+import polyamp as pa
+rng = np.random.default_rng(0)
+x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-12, 12, 4000),
+                    [0.0, -0.0, np.inf, -np.inf, np.nan, 68.00000356923152, 464.0, 1e-45, 65520.0]])
+h = hashlib.sha256()
+for fmt in sorted(pa.FORMATS):
+    for rounding in ("nearest", "toward_zero", "stochastic"):
+        for saturate in (False, True):
+            for data in (x, x.astype(np.float32)):
+                q = pa.quantize(data, fmt, rounding=rounding, saturate=saturate, seed=12345)
+                h.update(np.ascontiguousarray(q).tobytes())
+    codes = pa.encode(x[~np.isnan(x)], fmt, rounding="stochastic", saturate=True, seed=7)
+    h.update(codes.tobytes() + pa.decode(codes, fmt).tobytes())
+print(np.__version__, h.hexdigest())
+"""
+
+
+def test_core_numerics_are_bit_identical_under_numpy_1_23_and_numpy_2():
+    """The numpy path (no numba here) against the main environment's numpy 2 with numba off."""
+    if not MAIN_PYTHON.exists():
+        pytest.skip("needs the main environment (.venv, numpy 2) to compare against")
+    ours = run_python(NUMERICS)
+    theirs = run_python(NUMERICS, python=MAIN_PYTHON, env={"POLYAMP_NO_NUMBA": "1"})
+    assert ours.returncode == 0 and theirs.returncode == 0, ours.stderr[-1500:] + theirs.stderr[-1500:]
+    (v_ours, h_ours), (v_theirs, h_theirs) = ours.stdout.split(), theirs.stdout.split()
+    assert v_ours.startswith("1.") and v_theirs.startswith("2.")
+    assert h_ours == h_theirs

@@ -1,0 +1,167 @@
+"""MirroredStrategy over two logical CPU devices: an overflow on one replica skips the step on all.
+
+TensorFlow fixes its logical devices when it first initialises, so the strategy runs in a fresh
+process (``WORKER``), which writes what each replica saw as JSON.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from frameworks import require
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import numpy as np, tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    import keras, polyamp as pa
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    BAD = {2: 1, 5: 0, 6: 1, 11: 1}  # step -> the one replica whose gradients overflow
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((14, 16, 8)).astype(np.float32)
+
+    def build(mp, optimizer):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            with mp.scope():
+                model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="gelu"),
+                                          keras.layers.Dense(1)])
+            optimizer = optimizer()
+            optimizer.build(model.trainable_variables)  # outside tf.function, as mirrored variables need
+            return model, optimizer
+
+    def replicas(value):
+        return [np.asarray(v).tolist() for v in strategy.experimental_local_results(value)]
+
+    def copies(model):
+        return [[np.asarray(c) for c in strategy.experimental_local_results(v.value)]
+                for v in model.trainable_variables]
+
+    def loss_of(model, x):
+        out = tf.cast(model(x, training=True), tf.float32)
+        return tf.reduce_sum(tf.square(out - tf.sin(tf.reduce_sum(x, 1, keepdims=True)))) / 16.0
+
+    def poisoned(grads, bad):
+        mine = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, bad)
+        return [grads[0] + tf.where(mine, float("inf"), 0.0), *grads[1:]]
+
+    out = {}
+    # 1. custom loop with polyamp
+    mp = pa.MixedPrecision("fp16-mixed", framework="tensorflow",
+                           loss_scale=pa.DynamicLossScale(growth_interval=3))
+    model, opt = build(mp, lambda: keras.optimizers.Adam(1e-2))
+
+    @tf.function
+    def train(x, bad):
+        def replica_step(x):
+            with tf.GradientTape() as tape:
+                scaled = mp.scale(loss_of(model, x))
+            grads = poisoned(tape.gradient(scaled, model.trainable_variables), bad)
+            summed = tf.distribute.get_replica_context().all_reduce("SUM", grads)
+            expected_norm = tf.linalg.global_norm(summed) / mp.scale(tf.constant(1.0))
+            result = mp.apply(opt, grads, model.trainable_variables, clip_grad_norm=1e6)
+            # tf.identity: each replica's own copy of what it saw (not one shared tensor)
+            return [tf.identity(t) for t in (result.stepped, result.scale, result.grad_norm, expected_norm)]
+        return strategy.run(replica_step, args=(x,))
+
+    steps = []
+    for i in range(14):
+        x = strategy.experimental_distribute_values_from_function(
+            lambda ctx, i=i: data[i][ctx.replica_id_in_sync_group * 8:(ctx.replica_id_in_sync_group + 1) * 8])
+        seen = train(x, tf.constant(BAD.get(i, -1)))
+        steps.append(dict(zip(["stepped", "scale", "norm", "expected_norm"], map(replicas, seen))))
+    c = copies(model)
+    out["custom"] = {"steps": steps, "state": mp.state.as_dict(),
+                     "replicas_equal": all(np.array_equal(a, b) for a, b in c),
+                     "finite": all(np.isfinite(a).all() for a, _ in c),
+                     "iterations": int(opt.iterations.numpy())}
+
+    # 2. the same overflow with Keras's own LossScaleOptimizer
+    fp16 = pa.MixedPrecision("fp16-mixed", framework="tensorflow")  # builds the same mixed_float16 model
+    native, lso = build(fp16, lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2)))
+
+    @tf.function
+    def native_train(x, bad):
+        def replica_step(x):
+            with tf.GradientTape() as tape:
+                scaled = lso.scale_loss(loss_of(native, x))
+            grads = poisoned(tape.gradient(scaled, native.trainable_variables), bad)
+            lso.apply(grads, native.trainable_variables)
+        strategy.run(replica_step, args=(x,))
+
+    x = strategy.experimental_distribute_values_from_function(lambda ctx: data[0][:8])
+    native_train(x, tf.constant(1))  # replica 1 overflows
+    c = copies(native)
+    out["keras"] = {"finite": all(np.isfinite(a).all() for a, _ in c),
+                    "scale": float(lso.dynamic_scale.numpy())}
+
+    # 3. fit: a NaN sample in the half of a batch that replica 1 gets
+    mp2 = pa.MixedPrecision("fp16-mixed", framework="tensorflow")
+    model2, opt2 = build(mp2, lambda: mp2.optimizer(keras.optimizers.SGD(0.01)))
+    with strategy.scope():
+        model2.compile(optimizer=opt2, loss="mse")
+    xs = data.reshape(-1, 8)[:96].copy()
+    xs[[16 * 2 + 12, 16 * 4 + 9]] = np.nan  # batches 2 and 4, second half
+    ys = np.sin(np.nan_to_num(xs).sum(1, keepdims=True))
+    model2.fit(xs, ys, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    c = copies(model2)
+    out["fit"] = {"state": mp2.state.as_dict(), "replicas_equal": all(np.array_equal(a, b) for a, b in c),
+                  "finite": all(np.isfinite(a).all() for a, _ in c),
+                  "iterations": int(opt2.iterations.numpy())}
+
+    # 4. an optimizer first built inside a tf.function step under the strategy: a clear error
+    with strategy.scope():
+        unbuilt = keras.optimizers.SGD(0.1)
+
+    @tf.function
+    def unbuilt_step(x):
+        def replica_step(x):
+            with tf.GradientTape() as tape:
+                scaled = mp.scale(loss_of(model, x))
+            mp.apply(unbuilt, tape.gradient(scaled, model.trainable_variables), model.trainable_variables)
+        strategy.run(replica_step, args=(x,))
+
+    try:
+        unbuilt_step(x)
+        out["unbuilt"] = "no error"
+    except pa.PolyampError as err:
+        out["unbuilt"] = str(err)
+    json.dump(out, open(sys.argv[1], "w"))
+    """
+)
+
+
+def test_mirrored_strategy_replicas_agree_on_skipping(tmp_path):
+    require("tensorflow")
+    script, out = tmp_path / "worker.py", tmp_path / "out.json"
+    script.write_text(WORKER)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+
+    custom = result["custom"]
+    skipped = [i for i, s in enumerate(custom["steps"]) if not all(s["stepped"])]
+    assert skipped == [2, 5, 6, 11]  # one replica overflowed at each; every replica skipped
+    for step in custom["steps"]:
+        assert step["stepped"][0] == step["stepped"][1] and step["scale"][0] == step["scale"][1]
+        if all(step["stepped"]):  # the norm of the gradients summed over replicas, unscaled
+            assert abs(step["norm"][0] - step["expected_norm"][0]) <= 1e-5 * step["expected_norm"][0]
+    assert custom["replicas_equal"] and custom["finite"] and custom["iterations"] == 10
+    assert custom["state"]["skipped"] == 4 and custom["state"]["steps"] == 14
+
+    # Keras 3's LossScaleOptimizer reads the finite flag of replica 0 only (its gradients are not
+    # all-reduced yet), so an overflow on replica 1 alone is applied and the weights go non-finite.
+    assert not result["keras"]["finite"] and result["keras"]["scale"] == 2.0**15
+
+    fit = result["fit"]
+    assert fit["state"]["skipped"] == 2 and fit["state"]["steps"] == 6 and fit["iterations"] == 4
+    assert fit["replicas_equal"] and fit["finite"]
+    assert "build the SGD before the first tf.function step" in result["unbuilt"]
