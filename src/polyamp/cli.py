@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", help="comma-separated (default: float32,bf16-mixed,fp16-mixed)")
     p.add_argument("--steps", type=int, help="training steps per case (default: per workload)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
-    p.add_argument("--budget", type=float, default=8.0, help="seconds of training per case before capping")
+    p.add_argument("--budget", type=float, default=6.0, help="seconds of training per case before capping")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is abandoned")
     p.add_argument("--out", default="compare-report", help="output folder (default: compare-report)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -102,7 +102,7 @@ def _error_record(case, status: str, error: str) -> dict:
             "error": error}  # fmt: skip
 
 
-def run(cases, quick=False, steps=None, budget=8.0, timeout=300.0, progress: Callable | None = None):
+def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Callable | None = None):
     """Run every case in order; ``progress(i, case, record)`` is called after each."""
     records = []
     for i, case in enumerate(cases):

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--budget", type=float, default=8.0)
+    parser.add_argument("--budget", type=float, default=6.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:

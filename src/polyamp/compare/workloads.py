@@ -167,9 +167,9 @@ class Workload:
 
 
 _FULL = {
-    "mlp": dict(steps=20, batch=256, lr=1e-4, dims=(1024, 4096, 4096, 1024)),
-    "charlm": dict(steps=40, batch=32, lr=2e-3, d_model=256, layers=2, heads=4, context=64),
-    "digits": dict(steps=200, batch=64, lr=1e-3, dims=(64, 256, 128, 10), activation="relu"),
+    "mlp": dict(steps=12, batch=256, lr=1e-4, dims=(1024, 4096, 4096, 1024)),
+    "charlm": dict(steps=24, batch=32, lr=2e-3, d_model=256, layers=2, heads=4, context=64),
+    "digits": dict(steps=150, batch=64, lr=1e-3, dims=(64, 256, 128, 10), activation="relu"),
 }
 _QUICK = {
     "mlp": dict(steps=4, batch=32, lr=1e-3, dims=(64, 128, 128, 64)),
