@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _fault import verdict  # benchmarks/_fault.py (this folder is on sys.path)
 
 import polyamp as pa
 from polyamp.backends.jax import apply_if_finite
@@ -84,15 +85,10 @@ def main() -> int:
     seconds = time.perf_counter() - t0
     mp.sync(state)
     nonfinite = sum(int((~np.isfinite(np.asarray(a))).sum()) for a in jax.tree.leaves((params, opt_state)))
-    ok = nonfinite == 0 and skipped == injected == mp.state.skipped
-    ok = ok and ls.min_scale <= min(scales) and max(scales) <= ls.max_scale
-    print(
-        f"{args.steps} steps ({args.policy}), {injected} injected, {skipped} skipped, "
-        f"{nonfinite} non-finite parameter/optimizer elements, scale range [{min(scales):g}, "
-        f"{max(scales):g}] within [{ls.min_scale:g}, {ls.max_scale:g}], {seconds:.1f} s -> "
-        f"{'OK' if ok else 'FAILED'}"
+    label = f"{args.steps} steps ({args.policy})"
+    return verdict(
+        label, injected, skipped, nonfinite, scales, ls, seconds, extra_ok=skipped == mp.state.skipped
     )
-    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _fault import verdict  # noqa: E402  (benchmarks/_fault.py; this folder is on sys.path)
 
 import polyamp as pa  # noqa: E402
 
@@ -70,14 +71,9 @@ def main() -> int:
         scales.append(float(scale))
     seconds = time.perf_counter() - t0
     nonfinite = sum(int((~np.isfinite(v.numpy())).sum()) for v in variables)
-    ok = nonfinite == 0 and skipped == injected == mp.state.skipped and ls.min_scale <= min(scales)
-    ok = ok and max(scales) <= ls.max_scale and mp.state.steps == args.steps
-    print(
-        f"{args.steps} steps ({args.policy}, tf.function), {injected} injected, {skipped} skipped, "
-        f"{nonfinite} non-finite variable elements, scale range [{min(scales):g}, {max(scales):g}] "
-        f"within [{ls.min_scale:g}, {ls.max_scale:g}], {seconds:.1f} s -> {'OK' if ok else 'FAILED'}"
-    )
-    return 0 if ok else 1
+    counted = skipped == mp.state.skipped and mp.state.steps == args.steps
+    label = f"{args.steps} steps ({args.policy}, tf.function)"
+    return verdict(label, injected, skipped, nonfinite, scales, ls, seconds, extra_ok=counted)
 
 
 if __name__ == "__main__":

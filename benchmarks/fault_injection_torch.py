@@ -17,6 +17,7 @@ import warnings
 
 import numpy as np
 import torch
+from _fault import verdict  # benchmarks/_fault.py (this folder is on sys.path)
 from torch import nn
 
 import polyamp as pa
@@ -53,15 +54,8 @@ def main() -> int:
         scales.append(result.scale)
     seconds = time.perf_counter() - t0
     nonfinite_params = sum(int((~torch.isfinite(p)).sum()) for p in params)
-    ok = nonfinite_params == 0 and skipped == injected and ls.min_scale <= min(scales)
-    ok = ok and max(scales) <= ls.max_scale
-    print(
-        f"{args.steps} steps ({args.policy}), {injected} injected, {skipped} skipped, "
-        f"{nonfinite_params} non-finite parameter elements, scale range [{min(scales):g}, "
-        f"{max(scales):g}] within [{ls.min_scale:g}, {ls.max_scale:g}], {seconds:.1f} s -> "
-        f"{'OK' if ok else 'FAILED'}"
-    )
-    return 0 if ok else 1
+    label = f"{args.steps} steps ({args.policy})"
+    return verdict(label, injected, skipped, nonfinite_params, scales, ls, seconds)
 
 
 if __name__ == "__main__":
