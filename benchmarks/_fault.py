@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+
+
+def arguments(doc: str, policy: bool = True) -> argparse.Namespace:
+    """--steps (10,000), --rate of injected faults (0.05) and, where the script has a choice, --policy."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--rate", type=float, default=0.05)
+    if policy:
+        parser.add_argument("--policy", default="fp16-mixed")
+    return parser.parse_args()
+
 
 def verdict(label: str, injected: int, skipped: int, nonfinite: int, scales: list[float], ls,
             seconds: float, extra_ok: bool = True) -> int:  # fmt: skip

@@ -12,7 +12,6 @@ and the scale range; exits 1 if any check fails.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -21,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from _fault import verdict  # benchmarks/_fault.py (this folder is on sys.path)
+from _fault import arguments, verdict  # benchmarks/_fault.py (this folder is on sys.path)
 
 import polyamp as pa
 from polyamp.backends.jax import apply_if_finite
@@ -41,11 +40,7 @@ def loss_fn(p, x):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10_000)
-    parser.add_argument("--rate", type=float, default=0.05)
-    parser.add_argument("--policy", default="fp16-mixed")
-    args = parser.parse_args()
+    args = arguments(__doc__)
     rng = np.random.default_rng(0)
     params = {"w1": jnp.asarray(rng.uniform(-0.25, 0.25, (16, 64)), jnp.float32), "b1": jnp.zeros(64),
               "w2": jnp.asarray(rng.uniform(-0.125, 0.125, (64, 1)), jnp.float32),

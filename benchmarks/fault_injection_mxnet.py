@@ -11,13 +11,12 @@ parameter ever becomes non-finite, the scale follows ``DynamicLossScale.update``
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import warnings
 
 import numpy as np
-from _fault import verdict  # benchmarks/_fault.py (this folder is on sys.path)
+from _fault import arguments, verdict  # benchmarks/_fault.py (this folder is on sys.path)
 
 import polyamp as pa
 
@@ -28,10 +27,7 @@ with warnings.catch_warnings():
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10_000)
-    parser.add_argument("--rate", type=float, default=0.05)
-    args = parser.parse_args()
+    args = arguments(__doc__, policy=False)
     warnings.simplefilter("ignore")
     ls = pa.DynamicLossScale(growth_interval=100)
     mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=ls)  # before the network

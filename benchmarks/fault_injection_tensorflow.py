@@ -11,7 +11,6 @@ range; exits 1 if any check fails.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,17 +22,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _fault import verdict  # noqa: E402  (benchmarks/_fault.py; this folder is on sys.path)
+from _fault import arguments, verdict  # noqa: E402  (benchmarks/_fault.py; this folder is on sys.path)
 
 import polyamp as pa  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10_000)
-    parser.add_argument("--rate", type=float, default=0.05)
-    parser.add_argument("--policy", default="fp16-mixed")
-    args = parser.parse_args()
+    args = arguments(__doc__)
     warnings.simplefilter("ignore", RuntimeWarning)
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)

@@ -9,7 +9,6 @@ Prints the counts and the scale range; exits 1 if any check fails.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -17,18 +16,14 @@ import warnings
 
 import numpy as np
 import torch
-from _fault import verdict  # benchmarks/_fault.py (this folder is on sys.path)
+from _fault import arguments, verdict  # benchmarks/_fault.py (this folder is on sys.path)
 from torch import nn
 
 import polyamp as pa
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10_000)
-    parser.add_argument("--rate", type=float, default=0.05)
-    parser.add_argument("--policy", default="fp16-mixed")
-    args = parser.parse_args()
+    args = arguments(__doc__)
     warnings.simplefilter("ignore", RuntimeWarning)
     torch.set_num_threads(1)
     torch.manual_seed(0)
