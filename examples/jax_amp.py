@@ -14,6 +14,7 @@ same MLP and trains it with an overflow injected every 10 steps.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,9 @@ def train(policy: str, steps: int, overflow_every: int = 10) -> dict:
     value_and_grad = mp.value_and_grad(mp.autocast(loss_fn))
     optimizer = optax.adam(3e-3)
 
-    @jax.jit
+    # params, optimizer and scale state are donated: updated in place, as the skip under
+    # lax.cond in apply_if_finite expects
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def step(params, opt_state, scale_state, x, y):
         (loss, grads), finite, scale_state = value_and_grad(params, x, y, state=scale_state)
         params, opt_state = apply_if_finite(finite, optimizer, grads, opt_state, params)

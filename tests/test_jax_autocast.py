@@ -3,6 +3,7 @@ float32 with tolerances from the format's epsilon, and composition with jit, gra
 
 import dataclasses
 import functools
+import re
 import warnings
 
 import numpy as np
@@ -66,8 +67,14 @@ def check_rules(jaxpr, low, output=F32):
             seen["low"] += outs == [low]
         elif name in DEFAULT_RULES.follow:
             assert len(set(ins)) <= 1, (name, ins)
-        if low in outs and name != "convert_element_type":
-            assert name in ("dot_general", "conv_general_dilated", "custom_vjp_call"), name
+        if low in outs and name not in (
+            "convert_element_type",
+            "dot_general",
+            "conv_general_dilated",
+            "custom_vjp_call",
+        ):
+            # a matmul operand moved into the layout XLA CPU multiplies natively: data movement only
+            assert name in ("broadcast_in_dim", "transpose", "squeeze") and ins == [low], (name, ins)
     return seen
 
 
@@ -390,3 +397,70 @@ def test_forward_mode_needs_the_plain_backward():
         jax.jvp(mp_for().autocast(lambda x: (x @ x.T).sum()), (x,), (jnp.ones_like(x),))
     with pytest.raises(PolyampError, match="low_precision_backward must be True or False"):
         AutocastRules(low_precision_backward="yes")
+
+
+def dense_loss(w, x, c):
+    return jnp.sum(jax.nn.gelu(x @ w) * c)
+
+
+def test_weight_gradients_are_float32_not_rounded_to_bf16():
+    """With a float32-output policy, dW = x^T @ dy multiplies bf16 operands and leaves the
+    float32 accumulator as float32: equal to that product, and finer than bf16."""
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((48, 64)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((48, 32)), jnp.float32)
+
+    def loss(w, x):
+        return jnp.sum((x @ w) * c)
+
+    expected = jnp.matmul(x.astype(BF16).T, c.astype(BF16), preferred_element_type=F32)
+    grad = jax.grad(mp_for().autocast(loss))
+    for run in (grad, jax.jit(grad)):  # eagerly, and compiled (where XLA may keep excess precision)
+        got = run(w, x)
+        assert got.dtype == F32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
+        assert not np.array_equal(np.asarray(got), np.asarray(got.astype(BF16).astype(F32)))
+
+
+def dot_operand_types(hlo: str) -> list[list[str]]:
+    """The element types of the two operands of every ``dot`` in an optimized HLO module's text."""
+    types: dict[str, str] = {}
+    found = []
+    for line in hlo.splitlines():
+        header = re.match(r"\s*(?:ENTRY )?%\S+ \((.*)\) -> ", line)
+        if header:  # a computation: its parameters' types
+            types = dict(re.findall(r"(\S+): (\w+)\[", header.group(1)))
+            continue
+        instruction = re.match(r"\s*(?:ROOT )?%(\S+) = (\w+)\[\S* (\w[\w-]*)\((.*?)\)", line)
+        if instruction:
+            name, dtype, op, args = instruction.groups()
+            types[name] = dtype
+            if op == "dot":
+                found.append([types.get(a.strip().lstrip("%"), "?") for a in args.split(",")])
+    return found
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA CPU layout rule")
+def test_every_matmul_of_the_compiled_backward_multiplies_bf16():
+    """XLA CPU upcasts a bf16 dot whose left operand is not laid out (batch, free, contracting) to
+    float32; autocast moves such operands first, so no dot of the compiled step (weight gradients
+    x^T @ dy and attention's transposed products included) multiplies converted float32 copies."""
+    rng = np.random.default_rng(6)
+    w = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((48, 64)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((48, 32)), jnp.float32)
+
+    def batched(q, k):
+        return jnp.sum(jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k)) * 2)
+
+    q = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
+    for fn, args in ((dense_loss, (w, x, c)), (batched, (q, q + 1))):
+        hlo = jax.jit(jax.grad(mp_for().autocast(fn), argnums=(0, 1))).lower(*args).compile().as_text()
+        operands = dot_operand_types(hlo)
+        assert len(operands) >= 3, operands  # forward, and the gradients of both operands
+        assert all(types == ["bf16", "bf16"] for types in operands), (fn.__name__, operands)
+    # the moved operand changes nothing but the layout
+    got = jax.jit(jax.grad(mp_for().autocast(dense_loss)))(w, x, c)
+    expected = jax.grad(dense_loss)(w.astype(BF16).astype(F32), x.astype(BF16).astype(F32), c)
+    assert float(jnp.linalg.norm(got - expected)) <= 4 * EPS["bf16-mixed"] * float(jnp.linalg.norm(expected))

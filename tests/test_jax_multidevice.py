@@ -1,6 +1,6 @@
 """Data-parallel JAX training on two CPU devices: an overflow in one device's shard of the batch
-makes every device skip the same step (shard_map with the flag all-reduced, and jit over a
-sharded batch, where the gradients and so the flag are global)."""
+makes every device skip the same step (shard_map and pmap with the flag all-reduced, and jit over
+a sharded batch, where the gradients and so the flag are global)."""
 
 import json
 import os
@@ -75,6 +75,29 @@ SCRIPT = textwrap.dedent(
     out["shard_map clean step"] = {"finite": host(finite), "params_equal_across_devices": same}
 
     mp = pa.MixedPrecision("fp16-mixed", framework="jax")
+    value_and_grad = mp.value_and_grad(mp.autocast(loss_fn), axis_name="data")
+
+    def pmap_local(params, opt_state, state, x, y):
+        (_, grads), finite, state = value_and_grad(params, x, y, state=state)
+        grads = jax.lax.pmean(grads, "data")
+        params, opt_state = apply_if_finite(finite, opt, grads, opt_state, params)
+        return params, state.arrays(), finite
+
+    pmap_step = jax.pmap(pmap_local, axis_name="data", in_axes=(None, None, None, 0, 0))
+    per_device = lambda a: np.asarray(a).reshape(2, -1, *np.shape(a)[1:])
+    for name, batch in (("pmap overflow step", bad), ("pmap clean step", x)):
+        per_params, per_state, finite = pmap_step(params, opt.init(params), mp.init(),
+                                                  per_device(batch), per_device(y))
+        copies = [np.asarray(a) for a in jax.tree.leaves(per_params)]
+        out[name] = {
+            "finite": host(finite),
+            "scale": host(per_state["scale"]),
+            "params_equal_across_devices": bool(all(np.array_equal(a[0], a[1]) for a in copies)),
+            "params_unchanged": bool(all(np.array_equal(a[0], b) and np.array_equal(a[1], b)
+                                         for a, b in zip(copies, jax.tree.leaves(params)))),
+        }
+
+    mp = pa.MixedPrecision("fp16-mixed", framework="jax")
     value_and_grad = mp.value_and_grad(mp.autocast(loss_fn))
 
     @jax.jit
@@ -118,6 +141,12 @@ def test_devices_agree_on_skipping():
     assert alone["finite"] == [False, True] and not alone["params_finite"]
     clean = out["shard_map clean step"]
     assert clean["finite"] == [True, True] and clean["params_equal_across_devices"]
+
+    # pmap: the overflow on device 0 halves the scale and skips the step on both devices
+    for name, finite, scale in (("pmap overflow step", False, 2.0**15), ("pmap clean step", True, 2.0**16)):
+        result = out[name]
+        assert result["finite"] == [finite, finite] and result["scale"] == [scale, scale]
+        assert result["params_equal_across_devices"] and result["params_unchanged"] is not finite
 
     skipped, stepped = out["jit sharded batch"]
     assert not skipped["finite"] and skipped["scale"] == 2.0**15 and skipped["params_unchanged"]

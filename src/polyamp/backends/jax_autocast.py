@@ -8,7 +8,9 @@ Every equation falls in one class of :class:`AutocastRules` (looked up by primit
   ``preferred_element_type`` (``dot_general``, ``conv_general_dilated``) accumulates in float32;
   floating outputs take the policy's output dtype. Matmuls and convolutions also get a custom
   VJP whose transposes run the same way (compute-dtype cotangents and operands, float32
-  accumulation), unless ``low_precision_backward=False``.
+  accumulation), unless ``low_precision_backward=False``. On XLA CPU a bfloat16 matmul's left
+  operand is first moved into the (batch, free, contracting) layout, the only one XLA CPU
+  multiplies in bfloat16 (it runs any other as a float32 dot).
 - ``keep_fp32``: reductions, cumulative sums, exp/log/logistic, rsqrt/sqrt/pow, linear algebra:
   floating inputs narrower than float32 are widened to float32.
 - ``follow``: elementwise and structural ops: all floating inputs take the widest floating
@@ -173,6 +175,7 @@ def _avals_dtypes(atoms):
 
 
 _F32 = np.dtype(np.float32)
+_BF16 = jnp.dtype(jnp.bfloat16)
 _BILINEAR = frozenset({"dot_general", "conv_general_dilated"})
 
 
@@ -247,7 +250,8 @@ class Interpreter:
             return [_cast(x, self.compute) if is_low else x for x, is_low in zip(xs, low)]
 
         def run(*xs):
-            return _cast_all(_bind(eqn, lower(xs), params), [self.output] * len(eqn.outvars))
+            out = _bind_low(eqn, lower(xs), params, self.compute)
+            return _cast_all(out, [self.output] * len(eqn.outvars))
 
         if not (self.rules.low_precision_backward and eqn.primitive.name in _BILINEAR):
             return run(*invals)
@@ -423,6 +427,28 @@ def _fold_transposed_dots(jaxpr):
         swapped[id(dot)] = dot.replace(invars=dot.invars[::-1], outvars=eqn.outvars, params=params)
         skip.add(id(eqn))
     return swapped, skip
+
+
+def _bind_low(eqn, invals, params, compute) -> list:
+    """``_bind`` for an ``allow`` primitive on compute-dtype operands. On XLA CPU a bfloat16
+    ``dot_general`` runs natively (bf16 x bf16, float32 accumulation) only when its left operand is
+    laid out (batch, free, contracting); in any other order XLA converts both operands to float32
+    and runs a float32 dot. The weight gradient ``x^T @ dy`` of every dense layer is such a dot, so
+    here the left operand is first transposed into that order."""
+    if not (eqn.primitive.name == "dot_general" and compute == _BF16 and jax.default_backend() == "cpu"):
+        return _bind(eqn, invals, params)
+    lhs, rhs = invals
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    free = [d for d in range(lhs.ndim) if d not in lc and d not in lb]
+    order = (*lb, *free, *lc)
+    if order == tuple(range(lhs.ndim)):
+        return _bind(eqn, invals, params)
+    # through a leading unit dimension: XLA's transpose folding would otherwise fold a plain
+    # transpose back into the dot's dimension numbers, leaving the dot as it was
+    lhs = lax.squeeze(lax.transpose(lax.expand_dims(lhs, (0,)), (0, *(d + 1 for d in order))), (0,))
+    nb, nf = len(lb), len(free)
+    numbers = ((tuple(range(nb + nf, lhs.ndim)), rc), (tuple(range(nb)), rb))
+    return _bind(eqn, [lhs, rhs], {**params, "dimension_numbers": numbers})
 
 
 def _bind(eqn, invals, params) -> list:

@@ -2,8 +2,9 @@
 
 The networks are pure functions of a params dict holding the numpy weights of ``workloads.py``
 (dense ``W[in, out]``, ``b[out]``). One jitted step does
-``mp.value_and_grad(mp.autocast(loss))`` and an optax Adam update kept only if the gradients are
-finite (a select, no host round trip); every policy, float32 included, runs this same code.
+``mp.value_and_grad(mp.autocast(loss))`` and an optax Adam update run only if the gradients are
+finite (a ``lax.cond`` on the device, no host round trip); every policy, float32 included, runs
+this same code.
 """
 
 from __future__ import annotations
@@ -110,9 +111,10 @@ class Trainer:
             params, opt_state = apply_if_finite(finite, opt, grads, opt_state, params)
             return params, opt_state, state, value, finite
 
-        # compiled here, with the first batch's shapes, so that the step budget times training
+        # compiled here, with the first batch's shapes, so that the step budget times training;
+        # params, optimizer and scale state are donated (updated in place), as in a training loop
         example = (self.params, self.opt_state, self.state, *inputs(wl, *wl.batch_at(0)))
-        self._step = jax.jit(train_step).lower(*example).compile()
+        self._step = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(*example).compile()
         self._loss = jax.jit(loss)
         self._forward = jax.jit(self.mp.autocast(functools.partial(forward, wl)))
 
