@@ -148,11 +148,16 @@ def test_eval_delta_only_with_equal_step_counts():
     assert rows[2]["eval_delta"] is None and rows[2]["loss_delta"] is not None
 
 
-def test_loss_delta_is_none_when_the_baseline_has_fewer_steps():
-    rows = summarize(
-        [make_case("jax", "mlp", "float32", steps=5), make_case("jax", "mlp", "bf16-mixed", steps=8)]
-    )
-    assert rows[1]["loss_delta"] is None and rows[1]["speedup"] is not None and rows[1]["parity"] == "n/a"
+def test_a_capped_baseline_is_compared_at_its_last_step():
+    base = make_case("jax", "mlp", "float32", steps=5)
+    case = make_case("jax", "mlp", "bf16-mixed", steps=8, loss0=2.05)
+    row = summarize([base, case])[1]
+    assert row["loss_compared_at_step"] == 5 and row["speedup"] is not None
+    assert row["loss_delta"] == pytest.approx(case["losses"][4] - base["losses"][4], rel=1e-12)
+    assert row["parity_basis"] == "train_loss@step5" and row["parity"] == "ok"  # 2.5 % above
+    assert any("train loss compared at step 5" in n for n in row["notes"])
+    worse = summarize([base, make_case("jax", "mlp", "bf16-mixed", steps=8, loss0=2.2)])[1]
+    assert worse["parity"] == "worse"
 
 
 @pytest.mark.parametrize(

@@ -118,8 +118,8 @@ def summarize(
     """One row per case (same order): its scalar fields plus the comparisons with its float32 baseline.
 
     The baseline is the successful float32 case of the same framework, workload and seed.
-    ``speedup`` = baseline median step time / case median step time. ``loss_delta`` = case final train
-    loss - baseline train loss at the same step (so a capped case is compared where it stopped).
+    ``speedup`` = baseline median step time / case median step time. ``loss_delta`` = case train loss -
+    baseline train loss at the last step both ran (so a capped run is compared where it stopped).
     ``eval_delta`` = case eval value - baseline eval value, only if both were evaluated after the same
     number of steps. ``parity`` is "ok"/"worse"/"n/a": judged on the eval metric when ``eval_delta`` exists,
     else on the train loss at the same step; a loss may be at most ``loss_tolerance`` (relative) above the
@@ -192,12 +192,13 @@ def summarize(
             row["speedup"] = base_med / case_med
         # train loss at the same step
         base_losses = list(base.get("losses") or [])
-        n = len(losses)
-        if n and len(base_losses) >= n:
-            row["loss_delta"] = losses[-1] - base_losses[n - 1]
+        n = min(len(losses), len(base_losses))
+        if n:
+            row["loss_delta"] = losses[n - 1] - base_losses[n - 1]
             row["loss_compared_at_step"] = n
-        elif n:
-            notes.append(f"float32 has only {len(base_losses)} steps, this case {n}: loss not compared")
+            if n < len(losses):
+                notes.append(f"float32 stopped after {n} steps, this case after {len(losses)}: "
+                             f"train loss compared at step {n}")  # fmt: skip
         # eval after the same number of steps
         b_metric, b_value, _ = _eval_parts(base)
         if value is not None and b_value is not None and metric == b_metric:
@@ -218,7 +219,7 @@ def summarize(
             row["parity_basis"] = metric
         elif row["loss_delta"] is not None:
             row["parity"], row["parity_diff"] = _verdict(
-                losses[-1], base_losses[n - 1], False, loss_tolerance, accuracy_tolerance
+                losses[n - 1], base_losses[n - 1], False, loss_tolerance, accuracy_tolerance
             )
             row["parity_basis"] = f"train_loss@step{n}"
     return rows
@@ -375,9 +376,10 @@ def _caption(rows: list[dict]) -> str:
     at = rows[0].get("accuracy_tolerance", ACCURACY_TOLERANCE) if rows else ACCURACY_TOLERANCE
     return (
         "Every comparison is against float32 of the same framework, workload and seed: speed-up = fp32 "
-        "median step time / case median step time; Δloss = case final train loss - fp32 train loss at the "
-        "same step; Δeval only when both were evaluated after the same number of steps. Parity: a loss may "
-        f"be at most {lt:.0%} above fp32 (relative), an accuracy at most {at:g} below it (absolute)."
+        "median step time / case median step time; Δloss = case train loss - fp32 train loss at the "
+        "last step both ran; Δeval only when both were evaluated after the same number of steps. "
+        f"Parity: a loss may be at most {lt:.0%} above fp32 (relative), an accuracy at most {at:g} "
+        "below it (absolute)."
     )
 
 
