@@ -3,6 +3,7 @@ float32 with tolerances from the format's epsilon, and composition with jit, gra
 
 import dataclasses
 import functools
+import itertools
 import re
 import warnings
 
@@ -464,3 +465,34 @@ def test_every_matmul_of_the_compiled_backward_multiplies_bf16():
     got = jax.jit(jax.grad(mp_for().autocast(dense_loss)))(w, x, c)
     expected = jax.grad(dense_loss)(w.astype(BF16).astype(F32), x.astype(BF16).astype(F32), c)
     assert float(jnp.linalg.norm(got - expected)) <= 4 * EPS["bf16-mixed"] * float(jnp.linalg.norm(expected))
+
+
+def test_moving_the_left_operand_keeps_every_layout_exact():
+    """Every order of a left operand with a batch, a free and two contracting dimensions: the
+    autocast dot equals the float32 one on bf16-representable inputs (float32 accumulation), and
+    so do both gradients up to bf16 cotangent rounding."""
+    sizes = {"b": 3, "m": 5, "k": 7, "c": 2, "n": 4}
+    rng = np.random.default_rng(7)
+
+    def bf16_exact(dims):
+        return jnp.asarray(rng.standard_normal([sizes[d] for d in dims]), BF16).astype(F32)
+
+    rhs_dims = "nckb"
+    rhs = bf16_exact(rhs_dims)
+    for lhs_dims in itertools.permutations("bmkc"):
+        lhs = bf16_exact(lhs_dims)
+        numbers = (((lhs_dims.index("k"), lhs_dims.index("c")), (rhs_dims.index("k"), rhs_dims.index("c"))),
+                   ((lhs_dims.index("b"),), (rhs_dims.index("b"),)))  # fmt: skip
+
+        def dot(a, b, numbers=numbers):
+            return lax.dot_general(a, b, numbers, preferred_element_type=F32)
+
+        np.testing.assert_allclose(
+            jax.jit(mp_for().autocast(dot))(lhs, rhs), dot(lhs, rhs), rtol=1e-6, atol=1e-5
+        )
+        grads = jax.jit(jax.grad(lambda a, b: (mp_for().autocast(dot)(a, b) ** 2).sum(), argnums=(0, 1)))
+        for got, ref in zip(
+            grads(lhs, rhs), jax.grad(lambda a, b: (dot(a, b) ** 2).sum(), argnums=(0, 1))(lhs, rhs)
+        ):
+            assert got.shape == ref.shape
+            assert float(jnp.linalg.norm(got - ref)) <= 4 * EPS["bf16-mixed"] * float(jnp.linalg.norm(ref))
