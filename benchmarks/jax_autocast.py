@@ -15,7 +15,8 @@ networks, weights and batches (``polyamp/compare/jax.py``):
 - ``polyamp+guard``: ``mp.value_and_grad(mp.autocast(loss))`` plus ``apply_if_finite``: the
   finite check, the loss-scale state update and the ``lax.cond`` that skips a bad step.
 
-The contenders run in turn, repeat after repeat (medians after one warm-up step each). Also
+The contenders run in turn, repeat after repeat (medians after one warm-up step each;
+``benchmarks/_timing.py``). Also
 reported: tracing and compile time of each step, ``make_jaxpr`` time of the loss with and
 without autocast, and a ceiling: how much faster every matmul of the step (forward and backward,
 nothing else) runs in bf16 than in float32 on this machine. Targets: polyamp >= 2x naive bf16's
@@ -28,12 +29,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import optax
+from _timing import alternate  # benchmarks/_timing.py (this folder is on sys.path)
 from jax import lax
 from jax.extend import core as jcore
 
@@ -112,18 +113,24 @@ def matmul_ceiling(wl, repeats: int) -> dict[str, float]:
         return [lax.dot_general(a, b, numbers, preferred_element_type=F32)
                 for a, b, (_, _, numbers) in zip(ops[::2], ops[1::2], dots)]  # fmt: skip
 
-    mp = pa.MixedPrecision("bf16-mixed", framework="jax")
-    fns = {"f32": (jax.jit(all_dots), operands),
-           "bf16": (jax.jit(mp.autocast(all_dots)), [a.astype(BF16) for a in operands])}  # fmt: skip
-    times = {k: [] for k in fns}
-    for f, args in fns.values():
-        jax.block_until_ready(f(*args))
-    for _ in range(repeats):
-        for k, (f, args) in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times[k].append(time.perf_counter() - t0)
-    return {k: 1e3 * statistics.median(t) for k, t in times.items()}
+    f32 = jax.jit(all_dots)
+    bf16 = jax.jit(pa.MixedPrecision("bf16-mixed", framework="jax").autocast(all_dots))
+    low = [a.astype(BF16) for a in operands]
+    seconds = alternate({"f32": lambda: jax.block_until_ready(f32(*operands)),
+                         "bf16": lambda: jax.block_until_ready(bf16(*low))}, repeats)  # fmt: skip
+    return {k: 1e3 * s for k, s in seconds.items()}
+
+
+def stepper(compiled, carry, x, y, donate: bool):
+    """One compiled train step per call; with donation each call takes the previous one's outputs."""
+    state = [carry]
+
+    def call():
+        out = jax.block_until_ready(compiled(*state[0], x, y))
+        if donate:
+            state[0] = out[:3]
+
+    return call
 
 
 def run(name: str, quick: bool, repeats: int, donate: bool) -> None:
@@ -142,17 +149,9 @@ def run(name: str, quick: bool, repeats: int, donate: bool) -> None:
         t1 = time.perf_counter()
         compiled = traced.lower().compile()
         t2 = time.perf_counter()
-        carry = jax.block_until_ready(compiled(*carry, x, y))[:3]  # warm-up
-        steps[label] = [compiled, carry]
-        timing[label] = {"trace_ms": 1e3 * (t1 - t0), "compile_ms": 1e3 * (t2 - t1), "times": []}
-    for _ in range(repeats):
-        for label, entry in steps.items():
-            compiled, carry = entry
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(compiled(*carry, x, y))
-            timing[label]["times"].append(time.perf_counter() - t0)
-            entry[1] = out[:3] if donate else carry
-    med = {label: 1e3 * statistics.median(t["times"]) for label, t in timing.items()}
+        steps[label] = stepper(compiled, carry, x, y, bool(donate))
+        timing[label] = {"trace_ms": 1e3 * (t1 - t0), "compile_ms": 1e3 * (t2 - t1)}
+    med = {label: 1e3 * seconds for label, seconds in alternate(steps, repeats).items()}
     print(f"\n{name} ({'quick' if quick else 'full'} size, median of {repeats}):")
     print(f"  {'contender':<14} {'ms/step':>9} {'vs fp32':>8} {'trace ms':>9} {'compile ms':>11}")
     for label, t in timing.items():

@@ -24,6 +24,8 @@ import statistics
 import time
 import warnings
 
+from _timing import alternate  # benchmarks/_timing.py (this folder is on sys.path)
+
 import polyamp as pa
 
 with warnings.catch_warnings():
@@ -109,6 +111,17 @@ def contenders(wl):
     return out
 
 
+def waited(step, parts: list):
+    """``step`` whose returned time after backward is kept in ``parts`` and whose queued work is
+    waited for: MXNet's engine is asynchronous, so a step's time must include it."""
+
+    def call():
+        parts.append(step())
+        mx.nd.waitall()
+
+    return call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -121,19 +134,9 @@ def main() -> None:
           f"{'ms after bwd':>15s}")  # fmt: skip
     for model in args.models.split(","):
         steps = contenders(get_workload(model))
-        for fn in steps.values():
-            fn()  # warm-up
-        mx.nd.waitall()
-        times = {name: [] for name in steps}
         step_part = {name: [] for name in steps}
-        for _ in range(args.repeats):
-            for name, fn in steps.items():
-                t0 = time.perf_counter()
-                step_part[name].append(fn())
-                mx.nd.waitall()  # MXNet's engine is asynchronous: count each step's queued work
-                times[name].append(time.perf_counter() - t0)
-        median = {name: statistics.median(ts) for name, ts in times.items()}
-        part = {name: statistics.median(ts) for name, ts in step_part.items()}
+        median = alternate({name: waited(fn, step_part[name]) for name, fn in steps.items()}, args.repeats)
+        part = {name: statistics.median(ts[1:]) for name, ts in step_part.items()}  # [0]: warm-up
         for name, seconds in median.items():
             print(f"{model:8s} {name:24s} {seconds * 1e3:9.1f} {seconds / median['native']:10.3f} "
                   f"{seconds / median['native, no scaler']:13.3f} {part[name] * 1e3:15.1f}",

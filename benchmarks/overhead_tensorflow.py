@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 import warnings
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -28,6 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from _timing import alternate  # noqa: E402 - benchmarks/_timing.py (this folder is on sys.path)
 
 import polyamp as pa  # noqa: E402
 from polyamp.compare import tensorflow as tf_workloads  # noqa: E402
@@ -86,20 +85,6 @@ def polyamp_step(name, mp):
     return lambda: float(step(x, y))
 
 
-def compare(contenders: dict, repeats: int) -> dict:
-    """contenders: name -> step function; returns name -> median seconds."""
-    for fn in contenders.values():
-        fn()  # warm-up: traces the tf.function
-    times = {name: [] for name in contenders}
-    names = list(contenders)
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            t0 = time.perf_counter()
-            contenders[name]()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -113,20 +98,20 @@ def main() -> None:
     print(f"{'model':8s} {'case':34s} {'native ms':>10s} {'polyamp ms':>11s} {'ratio':>7s}")
     for name in args.models.split(","):
         rows = []
-        bf16 = compare({
+        bf16 = alternate({
             "native": native_step(name, "bf16-mixed", False),
             "guarded": polyamp_step(name, pa.MixedPrecision("bf16-mixed", framework="tensorflow")),
             "guard=False": polyamp_step(name, pa.MixedPrecision(
                 "bf16-mixed", framework="tensorflow", guard=False, loss_scale="none")),
-        }, args.repeats)  # fmt: skip
+        }, args.repeats, rotate=True)  # fmt: skip
         rows.append(("bf16 guarded vs mixed_bfloat16", bf16["native"], bf16["guarded"]))
         rows.append(("bf16 guard=False vs mixed_bfloat16", bf16["native"], bf16["guard=False"]))
         if args.fp16_repeats:
-            fp16 = compare({
+            fp16 = alternate({
                 "native": native_step(name, "fp16-mixed", True),
                 "polyamp": polyamp_step(name, pa.MixedPrecision(
                     "fp16-mixed", framework="tensorflow", loss_scale="keras")),
-            }, args.fp16_repeats)  # fmt: skip
+            }, args.fp16_repeats, rotate=True)  # fmt: skip
             rows.append(("fp16 vs mixed_float16 + LSO", fp16["native"], fp16["polyamp"]))
         for case, native, ours in rows:
             print(

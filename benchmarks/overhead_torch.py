@@ -15,11 +15,10 @@ Same model, weights, data and optimizer (Adam); native and polyamp steps alterna
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
+from _timing import alternate  # benchmarks/_timing.py (this folder is on sys.path)
 from torch import nn
 
 import polyamp as pa
@@ -71,12 +70,6 @@ def polyamp_step(model, opt, x, y, mp):
     mp.step(opt)
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def compare(build, native_dtype, scaler_on, contenders, repeats):
     """contenders: name -> MixedPrecision; returns name -> median seconds (plus 'native')."""
     setups = {}
@@ -89,13 +82,7 @@ def compare(build, native_dtype, scaler_on, contenders, repeats):
         else:
             mp = contenders[name]
             setups[name] = lambda m=model, o=opt, mp=mp, x=x, y=y: polyamp_step(m, o, x, y, mp)
-    for fn in setups.values():
-        fn()  # warm-up
-    times = {name: [] for name in setups}
-    for _ in range(repeats):
-        for name, fn in setups.items():
-            times[name].append(timed(fn))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return alternate(setups, repeats)
 
 
 def main() -> None:
