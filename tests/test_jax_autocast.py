@@ -496,3 +496,16 @@ def test_moving_the_left_operand_keeps_every_layout_exact():
         ):
             assert got.shape == ref.shape
             assert float(jnp.linalg.norm(got - ref)) <= 4 * EPS["bf16-mixed"] * float(jnp.linalg.norm(ref))
+
+
+def test_a_transposed_result_of_a_moved_dot_compiles():
+    """x^T @ y inside a jit, transposed outside it: the fold of transposes into dots cannot see
+    across the jit, so XLA would fold it into the moved dot and fail ("Unsupported element type
+    for DotThunk") unless the moved dot's result stays as it is."""
+    rng = np.random.default_rng(8)
+    a = jnp.asarray(rng.standard_normal((64, 32)), F32)
+    b = jnp.asarray(rng.standard_normal((64, 48)), F32)
+    inner = jax.jit(lambda a, b: jnp.einsum("ki,kj->ij", a, b))
+    got = jax.jit(mp_for().autocast(lambda a, b: inner(a, b).T))(a, b)
+    expected = (a.astype(BF16).astype(F32).T @ b.astype(BF16).astype(F32)).T
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)

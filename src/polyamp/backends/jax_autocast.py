@@ -228,7 +228,7 @@ class Interpreter:
         elif kind == "follow":
             invals = self._widest(eqn, invals)
         elif kind == "original":
-            invals = _cast_all(invals, _avals_dtypes(eqn.invars))
+            return _bind_original(eqn, *invals)
         return _bind(eqn, invals, eqn.params)
 
     def _allow(self, eqn, invals) -> list:
@@ -346,10 +346,7 @@ class Interpreter:
         """Autocast primal; the jvp rule runs as written on the inputs cast to their traced dtypes."""
         call = eqn.params["call_jaxpr"]
         dtypes = _avals_dtypes(eqn.invars)
-
-        def original(*xs):
-            return _bind(eqn, _cast_all(xs, dtypes), eqn.params)
-
+        original = functools.partial(_bind_original, eqn)
         primal = jax.custom_jvp(lambda *xs: self.eval_closed(call, xs))
 
         def jvp(primals, tangents):
@@ -365,10 +362,7 @@ class Interpreter:
         call = eqn.params["call_jaxpr"]
         dtypes, out_dtypes = _avals_dtypes(eqn.invars), _avals_dtypes(eqn.outvars)
         in_dtypes = [_dtype(x) for x in invals]
-
-        def original(*xs):
-            return _bind(eqn, _cast_all(xs, dtypes), eqn.params)
-
+        original = functools.partial(_bind_original, eqn)
         primal = jax.custom_vjp(lambda *xs: self.eval_closed(call, xs))
 
         def fwd(*xs):
@@ -448,7 +442,15 @@ def _bind_low(eqn, invals, params, compute) -> list:
     lhs = lax.squeeze(lax.transpose(lax.expand_dims(lhs, (0,)), (0, *(d + 1 for d in order))), (0,))
     nb, nf = len(lb), len(free)
     numbers = ((tuple(range(nb + nf, lhs.ndim)), rc), (tuple(range(nb)), rb))
-    return _bind(eqn, [lhs, rhs], {**params, "dimension_numbers": numbers})
+    out = _bind(eqn, [lhs, rhs], {**params, "dimension_numbers": numbers})
+    # a transpose of the result, if one follows, must stay a copy: folded into this dot, it would
+    # make XLA swap the operands into a layout it cannot run in bf16 ("Unsupported element type")
+    return lax.optimization_barrier(out)
+
+
+def _bind_original(eqn, *invals) -> list:
+    """``eqn`` bound on its inputs cast back to the dtypes they had in the traced function."""
+    return _bind(eqn, _cast_all(invals, _avals_dtypes(eqn.invars)), eqn.params)
 
 
 def _bind(eqn, invals, params) -> list:
