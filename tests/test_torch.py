@@ -152,6 +152,25 @@ def test_clipping_reports_the_unscaled_norm_and_clips():
     assert float(total) == pytest.approx(1e-3, rel=1e-4)
 
 
+def test_sparse_gradients_are_unscaled_in_place():
+    """An uncoalesced sparse embedding gradient (repeated indices) is unscaled where the optimizer
+    reads it, as GradScaler does: the step equals the unscaled one."""
+    ids = torch.tensor([1, 1, 2])
+    steps = {}
+    for scale in (1.0, 1024.0):
+        emb = nn.Embedding(10, 4, sparse=True)
+        with torch.no_grad():
+            emb.weight.copy_(torch.arange(40.0).reshape(10, 4))
+        opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+        mp = pa.MixedPrecision("fp16-mixed", framework="torch", loss_scale=pa.StaticLossScale(scale))
+        mp.backward(emb(ids).sum())
+        assert not emb.weight.grad.is_coalesced()
+        assert mp.step(opt).stepped
+        steps[scale] = emb.weight.detach().clone()
+    assert torch.equal(steps[1024.0], steps[1.0])
+    assert torch.equal(steps[1.0][1], torch.arange(4.0, 8.0) - 1.0)  # 2 uses x lr 0.5
+
+
 def test_gradient_accumulation_matches_one_large_batch():
     model, reference = tiny_model(), tiny_model()
     mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu")

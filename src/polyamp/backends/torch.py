@@ -6,6 +6,7 @@ they are guarded by torch itself reporting the device as available.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -17,6 +18,18 @@ from ._base import Backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}  # fmt: skip
+
+
+@functools.cache
+def _autocast_refusal(device: str, dtype) -> str | None:
+    """Why torch would disable autocast to ``dtype`` on ``device`` (its warning), or None; probed once
+    per pair, because torch.autocast only warns and runs disabled."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx = torch.autocast(device, dtype=dtype)
+    if ctx._enabled:
+        return None
+    return "; ".join(str(w.message).splitlines()[0] for w in caught) or "unsupported"
 
 
 class TorchBackend(Backend):
@@ -34,11 +47,8 @@ class TorchBackend(Backend):
         dtype = _DTYPES[policy.compute_dtype]
         if dtype in (torch.float32, torch.float64) or not policy.is_mixed:
             return torch.autocast(device, enabled=False)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ctx = torch.autocast(device, dtype=dtype)
-        if not ctx._enabled:
-            reason = "; ".join(str(w.message).splitlines()[0] for w in caught) or "unsupported"
+        reason = _autocast_refusal(device, dtype)
+        if reason is not None:
             raise UnsupportedError(
                 f"torch cannot autocast to {policy.compute_dtype} on {device!r} here ({reason}); "
                 "accepted: bf16 or fp16 on 'cpu', fp16 (and bf16 where supported) on 'cuda'"
@@ -48,7 +58,7 @@ class TorchBackend(Backend):
                 "fp16 autocast on CPU runs without fp16 hardware in most CPUs (about 100x slower "
                 "than float32 in torch on this project's machine); bf16-mixed is the CPU path"
             )
-        return ctx
+        return torch.autocast(device, dtype=dtype)
 
     # -- the step ----------------------------------------------------------------------------------
     def scale_loss(self, loss, scale: float):
@@ -73,6 +83,8 @@ class TorchBackend(Backend):
                 raise PolyampError(f"{type(opt).__name__} has no parameters to update")
             for p in group_params:
                 if p.grad is not None:
+                    if p.grad.is_sparse and not p.grad.is_coalesced():
+                        p.grad = p.grad.coalesce()  # unscaled in place through its values below
                     grads.append(p.grad)
                     params.append(p)
         if not grads:
@@ -82,16 +94,17 @@ class TorchBackend(Backend):
     def unscale_and_check(self, grads, inv_scale: float, group=None) -> bool:
         found = {}
         by_device: dict[tuple, list] = {}
+        inv = {}
         for g in grads:
             if g.is_sparse:
-                g = g.coalesce().values()
+                g = g._values()  # coalesced by gradients(): a view of the gradient's own values
             by_device.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), tensors in by_device.items():
             if device not in found:
                 found[device] = torch.zeros(1, dtype=torch.float32, device=device)
-            # float64 reciprocal first, as GradScaler does, so that unscaling matches it bit for bit
-            inv = torch.full((1,), inv_scale, dtype=torch.float64, device=device).float()
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv)
+                # float64 reciprocal first, as GradScaler does, so that unscaling matches it bit for bit
+                inv[device] = torch.full((1,), inv_scale, dtype=torch.float64, device=device).float()
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
         flags = list(found.values())
         flag = flags[0] if len(flags) == 1 else sum(f.to(flags[0].device) for f in flags)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
