@@ -102,11 +102,14 @@ def _counted_arrays(state: dict, finite, xp) -> dict:
     }
 
 
+# the integer fields of LossScaleState that update_arrays carries next to the scale
+COUNTERS = ("good_steps", "hysteresis_left", "skipped_in_a_row", "steps", "skipped")
+
+
 def state_arrays(state: LossScaleState, xp) -> dict:
     """A state as 0-d arrays for :meth:`update_arrays`: float32 scale, int32 counters."""
-    ints = ("good_steps", "hysteresis_left", "skipped_in_a_row", "steps", "skipped")
     return {"scale": xp.asarray(state.scale, dtype=xp.float32),
-            **{k: xp.asarray(getattr(state, k), dtype=xp.int32) for k in ints}}  # fmt: skip
+            **{k: xp.asarray(getattr(state, k), dtype=xp.int32) for k in COUNTERS}}  # fmt: skip
 
 
 def state_from_arrays(arrays: dict) -> LossScaleState:
@@ -138,6 +141,17 @@ class _LossScale:
             value = getattr(self, name)
             if not ok(value):
                 raise PolyampError(f"{type(self).__name__} {name} must be {accepted}; received {value!r}")
+
+    def check_traceable(self, form: str = "traced") -> None:
+        """PolyampError when :meth:`update_arrays` cannot run this loss scale (only MXNet's
+        ``one_step_lag``); ``form`` names the caller's traced form (``tf.function``, ``jit``)."""
+        if getattr(self, "one_step_lag", False):
+            raise PolyampError(f"the 'mxnet' loss-scale preset (one_step_lag) has no {form} form; use "
+                               "another preset, e.g. 'polyamp' or 'torch'")  # fmt: skip
+
+    def update(self, state: LossScaleState, finite: bool) -> LossScaleState:
+        """Count the step; the scale does not change (the dynamic scale overrides this)."""
+        return _counted(state, bool(finite))
 
     def update_arrays(self, state: dict, finite, xp) -> dict:
         """:meth:`update` written with array operations only, for inside ``jit``/``tf.function``.
@@ -206,10 +220,6 @@ class NoLossScale(_LossScale):
     def init(self) -> LossScaleState:
         return LossScaleState(scale=1.0)
 
-    def update(self, state: LossScaleState, finite: bool) -> LossScaleState:
-        """Count the step; the scale does not change."""
-        return _counted(state, bool(finite))
-
 
 @dataclass(frozen=True)
 class StaticLossScale(_LossScale):
@@ -224,10 +234,6 @@ class StaticLossScale(_LossScale):
 
     def init(self) -> LossScaleState:
         return LossScaleState(scale=float(self.scale))
-
-    def update(self, state: LossScaleState, finite: bool) -> LossScaleState:
-        """Count the step; the scale does not change."""
-        return _counted(state, bool(finite))
 
 
 _BELOW_ONE = (
@@ -372,8 +378,7 @@ class DynamicLossScale(_LossScale):
         (``float32-ftz`` also flushes a subnormal scale to 0). ``one_step_lag`` (MXNet, an eager
         framework) has no traced form.
         """
-        if self.one_step_lag:
-            raise PolyampError("one_step_lag (the mxnet preset) has no traced form; use update()")
+        self.check_traceable()
         scale, good, hyst = state["scale"], state["good_steps"], state["hysteresis_left"]
         good = xp.where(finite, good + 1, -self.growth_delay)
         if self.consecutive_hysteresis:

@@ -21,7 +21,13 @@ from typing import Any
 from .backends import detect, get_backend, imported_frameworks
 from .errors import PolyampError
 from .policy import Policy
-from .scaling import DynamicLossScale, NoLossScale, StaticLossScale
+from .scaling import DynamicLossScale, NoLossScale, StaticLossScale, _number
+
+
+def check_clip_norm(value) -> None:
+    """PolyampError unless ``value`` (a gradient-norm clip) is None or a positive real number."""
+    if value is not None and not (_number(value) and value > 0):
+        raise PolyampError(f"clip_grad_norm must be a positive number or None, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -100,9 +106,6 @@ class MixedPrecision:
             )
         self.state = self.loss_scale.init()
         self.framework = None
-        if framework is not None:
-            get_backend(framework)  # validates the name and that it is installed
-            self.framework = framework
         self.device = device
         self.guard = guard
         self.debug = debug
@@ -110,8 +113,8 @@ class MixedPrecision:
         self._names: dict[int, str] = {}
         self._origin: list[str] = []
         self._hooks: list[Any] = []
-        if self.framework is not None:
-            get_backend(self.framework).attach(self)  # MXNet: amp.init, before the network is built
+        if framework is not None:
+            self._use(framework).attach(self)  # MXNet: amp.init, before the network is built
 
     @property
     def state(self):
@@ -157,7 +160,7 @@ class MixedPrecision:
     def _use(self, name: str):
         """Bind to a framework by name, for idioms that are handed no framework object."""
         if self.framework is None:
-            get_backend(name)
+            get_backend(name)  # validates the name and that it is installed
             self.framework = name
         elif self.framework != name:
             raise PolyampError(
@@ -205,22 +208,17 @@ class MixedPrecision:
         backend = self._bind(optimizers[0], "optimizer")
         for opt in optimizers[1:]:
             self._bind(opt, "optimizer")
-        if batch_size is not None and self.framework != "mxnet":
+        if batch_size is not None and not backend.takes_batch_size:
             raise PolyampError(
                 f"batch_size={batch_size!r} is for MXNet's Trainer.step; "
                 f"{self.framework} optimizers take none"
             )
-        if self.framework == "mxnet" and not (
-            isinstance(batch_size, (int, float)) and not isinstance(batch_size, bool) and batch_size > 0
-        ):
+        if backend.takes_batch_size and not (_number(batch_size) and batch_size > 0):
             raise PolyampError(
                 "MXNet's Trainer divides the gradients by the batch size: call mp.step(trainer, batch_size) "
                 f"with a positive number (1 when the loss is already a mean); got batch_size={batch_size!r}"
             )
-        if clip_grad_norm is not None and not (
-            isinstance(clip_grad_norm, (int, float)) and clip_grad_norm > 0
-        ):
-            raise PolyampError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+        check_clip_norm(clip_grad_norm)
         grads, params = backend.gradients(optimizers)
         finite = True
         if self.guard:

@@ -17,6 +17,7 @@ class Backend:
     """Framework adapter. Subclasses set ``name`` and override what their framework supports."""
 
     name = "?"
+    takes_batch_size = False  # whether the optimizer step needs the batch size (MXNet's Trainer)
 
     def _unsupported(self, what: str) -> PolyampError:
         return PolyampError(f"{what} is not supported by the {self.name} backend")

@@ -28,15 +28,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..errors import PolyampError, UnsupportedError
-from ..scaling import LossScaleState, NoLossScale, state_arrays, state_from_arrays
+from ..scaling import COUNTERS, LossScaleState, NoLossScale, state_arrays, state_from_arrays
 from ._base import Backend
 from .jax_autocast import DEFAULT_RULES, AutocastRules, autocast, check_arguments
 
-_COUNTERS = ("good_steps", "hysteresis_left", "skipped_in_a_row", "steps", "skipped")
-
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["scale", *_COUNTERS], meta_fields=["config"])  # fmt: skip
+                   data_fields=["scale", *COUNTERS], meta_fields=["config"])  # fmt: skip
 @dataclass(frozen=True)
 class ScaleState:
     """The loss-scale state as a pytree: float32 ``scale`` and int32 counters are leaves; the
@@ -134,9 +132,7 @@ class JaxBackend(Backend):
     # -- functional loss scaling ------------------------------------------------------------------
     def init_state(self, mp) -> ScaleState:
         config = mp.loss_scale
-        if getattr(config, "one_step_lag", False):
-            raise PolyampError("the 'mxnet' loss-scale preset (one_step_lag) has no traced form; "
-                               "use another preset with JAX, e.g. 'polyamp' or 'torch'")  # fmt: skip
+        config.check_traceable("jit")
         try:
             hash(config)
         except TypeError as err:

@@ -122,6 +122,7 @@ def setup_amp(policy, device: str | None) -> None:
 
 class MXNetBackend(Backend):
     name = "mxnet"
+    takes_batch_size = True
 
     def is_tensor(self, x: Any) -> bool:
         return isinstance(x, mx.nd.NDArray)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import numbers
 import threading
 import warnings
 from collections.abc import Sequence
@@ -37,8 +36,8 @@ import tensorflow as tf
 
 from ..errors import PolyampError
 from ..policy import Policy
-from ..scaling import _BELOW_ONE, LossScaleState, NoLossScale, state_arrays, state_from_arrays
-from ..training import StepResult
+from ..scaling import _BELOW_ONE, COUNTERS, LossScaleState, NoLossScale, state_arrays, state_from_arrays
+from ..training import StepResult, check_clip_norm
 from ._base import Backend
 
 _F32, _BF16, _F16, _F64 = "float32", "bfloat16", "float16", "float64"
@@ -56,7 +55,7 @@ KERAS_POLICIES = {
     (_F16, _F16, _F32): ("float16", True),
 }
 _PROBABILITIES = ("softmax", "log_softmax", "sigmoid")
-_FIELDS = ("scale", "good_steps", "hysteresis_left", "skipped_in_a_row", "steps", "skipped")
+_FIELDS = ("scale", *COUNTERS)
 
 
 def keras_policy(policy: Policy) -> tuple[str, bool]:
@@ -123,11 +122,7 @@ class LossScaleVariables(tf.Module):
 def _store(mp) -> LossScaleVariables:
     """``mp``'s variables, created (outside any tf.function) from its current state on first use."""
     if mp._state_store is None:
-        if getattr(mp.loss_scale, "one_step_lag", False):
-            raise PolyampError(
-                "the 'mxnet' loss-scale preset (one_step_lag) has no tf.function form; use another "
-                "preset with TensorFlow"
-            )
+        mp.loss_scale.check_traceable("tf.function")
         with tf.init_scope():
             mp._state_store = LossScaleVariables(mp.state)
     return mp._state_store
@@ -225,11 +220,7 @@ class TensorFlowBackend(Backend):
         keras_policy(mp.policy)
         _check_optimizer(optimizer)
         grads, variables = _check_pairs(grads, variables)
-        if clip_grad_norm is not None and not (
-            isinstance(clip_grad_norm, numbers.Real) and not isinstance(clip_grad_norm, bool)
-            and clip_grad_norm > 0
-        ):  # fmt: skip
-            raise PolyampError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+        check_clip_norm(clip_grad_norm)
         _attach(optimizer, _store(mp))
         return _step(mp, optimizer, grads, variables, clip_grad_norm)
 
@@ -286,7 +277,8 @@ def _merged_step(strategy, unscaled, bad, *, mp, optimizer, variables, clip):
     def apply():
         strategy.extended.call_for_each_replica(apply_local, args=(unscaled,))
 
-    if finite is True or (eager and bool(finite)):
+    stepped = finite is True or (eager and bool(finite))  # one host read of the flag, eagerly
+    if stepped:
         apply()
     elif not eager:
         tf.cond(finite, apply, lambda: None)
@@ -299,14 +291,14 @@ def _merged_step(strategy, unscaled, bad, *, mp, optimizer, variables, clip):
         if limit is not None:
             tf.debugging.Assert(new["skipped_in_a_row"] < limit, [_GUARD.format(limit=limit), new["scale"]])
         return StepResult(tf.convert_to_tensor(finite), new["scale"], norm)
-    if float(new["scale"]) < 1 <= float(old["scale"]):
+    state = state_from_arrays({name: value.numpy() for name, value in new.items()})
+    if state.scale < 1 <= float(old["scale"]):
         warnings.warn(_BELOW_ONE, RuntimeWarning, stacklevel=2)
-    stepped = bool(finite)
     names = () if stepped else _nonfinite_names(mp, unscaled, variables, strategy)
     origin = names[0] if names else None
-    mp.loss_scale.check(mp.state, where=origin)
+    mp.loss_scale.check(state, where=origin)
     grad_norm = float(norm) if norm is not None and stepped else None
-    return StepResult(stepped, float(new["scale"]), grad_norm, names, origin)
+    return StepResult(stepped, state.scale, grad_norm, names, origin)
 
 
 _GUARD = (
