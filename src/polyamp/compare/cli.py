@@ -28,14 +28,14 @@ def compare(args) -> int:
         "budget_s": args.budget,
         "timeout_s": args.timeout,
         "machine": runner.machine(),
-        "versions": {r["framework"]: r.get("framework_version") for r in records},
         "total_s": round(time.perf_counter() - started, 1),
     }
     paths = write_report(records, settings, args.out)
+    with open(paths["json"], encoding="utf-8") as f:
+        report = json.load(f)
     if args.json:
-        print(json.dumps(json.loads(open(paths["json"]).read()), indent=2))
+        print(json.dumps(report, indent=2))
         return 0
-    report = json.loads(open(paths["json"]).read())
     print(terminal_table(report["rows"]))
     print(f"\n{len(records)} cases in {settings['total_s']:.0f} s. Report: {paths['markdown']}")
     print("Plots: " + ", ".join(str(p) for p in paths["plots"]))

@@ -58,7 +58,6 @@ ROW_KEYS = (
 )
 
 _WORKLOAD_ORDER = ("mlp", "charlm", "digits")
-_PLOT_FILES = ("speedup.png", "loss_curves.png", "loss_scale.png")
 
 
 # --------------------------------------------------------------------------------------------- summary
