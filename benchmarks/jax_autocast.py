@@ -13,7 +13,9 @@ networks, weights and batches (``polyamp/compare/jax.py``):
   preferred_element_type=float32)``, the rest float32;
 - ``polyamp``: ``mp.autocast(loss)`` with ``bf16-mixed`` (no source changes);
 - ``polyamp+guard``: ``mp.value_and_grad(mp.autocast(loss))`` plus ``apply_if_finite``: the
-  finite check, the loss-scale state update and the ``lax.cond`` that skips a bad step.
+  finite check, the loss-scale state update and the ``lax.cond`` that skips a bad step;
+- ``polyamp+select``: the same with the skip as a select of the stepped and the old
+  params/optimizer state (``select_tree``), the alternative without donation.
 
 The contenders run in turn, repeat after repeat (medians after one warm-up step each;
 ``benchmarks/_timing.py``). Also
@@ -39,7 +41,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import polyamp as pa
-from polyamp.backends.jax import apply_if_finite
+from polyamp.backends.jax import apply_if_finite, select_tree
 from polyamp.compare import jax as cj
 from polyamp.compare.workloads import get_workload
 
@@ -54,27 +56,36 @@ def to_bf16(tree):
     return jax.tree.map(lambda a: a.astype(BF16) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
+def select_if_finite(finite, opt, grads, opt_state, params):
+    """The skip as a select of the stepped and the old trees."""
+    updates, new_opt_state = opt.update(grads, opt_state, params)
+    stepped = (optax.apply_updates(params, updates), new_opt_state)
+    return select_tree(finite, stepped, (params, opt_state))
+
+
 def contenders(wl):
-    """label -> (loss function, MixedPrecision for the guarded step or None)."""
+    """label -> (loss function, MixedPrecision for the guarded step or None, how it skips)."""
     loss = functools.partial(cj.loss_fn, wl)
     mp = pa.MixedPrecision("bf16-mixed", framework="jax")
     return {
-        "fp32": (loss, None),
-        "naive bf16": (lambda p, x, y: loss(to_bf16(p), to_bf16(x), y), None),
-        "hand bf16": (functools.partial(cj.loss_fn, wl, mm=hand_mm), None),
-        "polyamp": (mp.autocast(loss), None),
-        "polyamp+guard": (mp.autocast(loss), mp),
+        "fp32": (loss, None, None),
+        "naive bf16": (lambda p, x, y: loss(to_bf16(p), to_bf16(x), y), None, None),
+        "hand bf16": (functools.partial(cj.loss_fn, wl, mm=hand_mm), None, None),
+        "polyamp": (mp.autocast(loss), None, None),
+        "polyamp+guard": (mp.autocast(loss), mp, apply_if_finite),
+        "polyamp+select": (mp.autocast(loss), mp, select_if_finite),
     }
 
 
-def make_step(loss, mp, opt):
-    """One train step; with ``mp``: polyamp's value_and_grad and the update kept only if finite."""
+def make_step(loss, mp, opt, skip):
+    """One train step; with ``mp``: polyamp's value_and_grad and ``skip`` keeping the update only
+    if finite."""
     if mp is not None:
         value_and_grad = mp.value_and_grad(loss)
 
         def guarded(params, opt_state, state, x, y):
             (value, grads), finite, state = value_and_grad(params, x, y, state=state)
-            params, opt_state = apply_if_finite(finite, opt, grads, opt_state, params)
+            params, opt_state = skip(finite, opt, grads, opt_state, params)
             return params, opt_state, state, value
 
         return guarded
@@ -141,11 +152,11 @@ def run(name: str, quick: bool, repeats: int, donate: bool) -> None:
     steps, timing = {}, {}
     table = contenders(wl)
     donate = (0, 1, 2) if donate else ()
-    for label, (fn, mp) in table.items():
+    for label, (fn, mp, skip) in table.items():
         own = jax.tree.map(jnp.copy, params)  # donated buffers are consumed, so each has its own
         carry = (own, opt.init(own), mp.init() if mp else None)
         t0 = time.perf_counter()
-        traced = jax.jit(make_step(fn, mp, opt), donate_argnums=donate).trace(*carry, x, y)
+        traced = jax.jit(make_step(fn, mp, opt, skip), donate_argnums=donate).trace(*carry, x, y)
         t1 = time.perf_counter()
         compiled = traced.lower().compile()
         t2 = time.perf_counter()
@@ -167,7 +178,7 @@ def run(name: str, quick: bool, repeats: int, donate: bool) -> None:
           f"{med['fp32'] / med['polyamp']:.2f}x; the step's matmuls alone: {dots['f32']:.1f} ms fp32, "
           f"{dots['bf16']:.1f} ms bf16 ({dots['f32'] / dots['bf16']:.2f}x)")  # fmt: skip
     jaxpr_ms = {}
-    for label, (fn, _) in (("plain", table["fp32"]), ("autocast", table["polyamp"])):
+    for label, (fn, _, _) in (("plain", table["fp32"]), ("autocast", table["polyamp"])):
         t0 = time.perf_counter()
         for _ in range(3):
             jax.make_jaxpr(jax.grad(fn))(params, x, y)
