@@ -357,3 +357,48 @@ def test_example_trains_skips_overflows_and_keeps_reductions_in_float32():
     assert float(last) < float(first) / 5
     # six injected overflows (steps 0, 10, ..., 50), each halves the scale
     assert int(skipped) == 6 and float(scale) == 2.0**16 / 2**6
+
+
+# -- issue 11: select_tree's predicate, true policies, what sync reports -----------------------------
+@pytest.mark.parametrize("pred", [jnp.ones([1], bool), jnp.asarray(1.0), jnp.ones([2], bool),
+                                  np.array([True])])  # fmt: skip
+def test_select_tree_refuses_a_predicate_that_is_not_a_0d_bool(pred):
+    tree = {"a": jnp.zeros(3), "b": None}
+    with pytest.raises(PolyampError, match="select_tree needs a 0-d bool predicate"):
+        select_tree(pred, tree, tree)
+
+
+def test_select_tree_selects_and_refuses_two_structures():
+    a, b = {"w": jnp.ones(3), "n": None}, {"w": jnp.zeros(3), "n": None}
+    assert np.array_equal(select_tree(jnp.asarray(True), a, b)["w"], a["w"])
+    assert np.array_equal(jax.jit(select_tree)(jnp.asarray(False), a, b)["w"], b["w"])
+    with pytest.raises(PolyampError, match="one structure"):
+        select_tree(jnp.asarray(True), a, {"w": jnp.zeros(3)})
+
+
+def test_a_true_policy_needs_parameters_in_its_dtype():
+    from polyamp.backends.jax import cast_tree
+
+    mp = mp_for("bf16-true")
+    p, (x, y) = init(), batch()
+    grad = mp.grad(mp.autocast(loss_fn))
+    with pytest.raises(PolyampError, match="keeps parameters in bfloat16, but argument 0 holds a"):
+        grad(p, x, y, state=mp.init())
+    low = cast_tree(p, "bfloat16")
+    assert {leaf.dtype for leaf in jax.tree.leaves(low)} == {jnp.dtype(jnp.bfloat16)}
+    grads, finite, _ = jax.jit(grad)(low, x, y, state=mp.init())
+    assert bool(finite) and {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_sync_warns_at_the_first_skip_of_a_bf16_run_even_when_synced_late():
+    mp = mp_for("bf16-mixed")
+    state = mp.init()
+    for finite in (True, False, False, True):
+        state = state.update(jnp.asarray(finite))
+    with pytest.warns(RuntimeWarning, match="a step was skipped"):
+        mp.sync(state)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.sync(state.update(jnp.asarray(False)))  # later skips: counted, no warning

@@ -145,7 +145,21 @@ def test_constructor_canonicalises_aliases_and_is_frozen():
 
 
 @pytest.mark.parametrize(
-    "spec", ["fp8", "mixed_float8", "bf32", "", "16-bf16", "true", 8, 3.5, None, ["bf16"]]
+    ("spec", "meant"),
+    [("bf16-mixd", "bf16-mixed"), ("Mixed_BFloat", "mixed_bfloat16"), ("bf32", "f32"), ("fp61", "fp16")],
+)
+def test_a_near_miss_gets_a_suggestion_and_a_short_list(spec, meant):
+    with pytest.raises(PolyampError) as err:
+        Policy.parse(spec)
+    message = str(err.value)
+    assert f"{spec!r}; did you mean {meant!r}?" in message
+    for name in ("float32", "bf16-mixed", "fp16-mixed", "bf16-true", "fp16-true", "p=f32,c=bf16,o=f32"):
+        assert name in message
+    assert len(message) < 400 and "mixed_float16" not in message
+
+
+@pytest.mark.parametrize(
+    "spec", ["fp8", "mixed_float8", "", "16-bf16", "true", 8, 3.5, None, ["bf16"]]
 )
 def test_unknown_spelling_names_it_and_lists_the_accepted(spec):
     with pytest.raises(PolyampError) as err:

@@ -62,7 +62,7 @@ def test_fp16_autocast_on_cpu_works_and_warns_that_it_is_slow():
 
     torch_backend._warned.clear()
     mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu")
-    with pytest.warns(RuntimeWarning, match="100x slower"), mp.autocast():
+    with pytest.warns(RuntimeWarning, match="slower than float32"), mp.autocast():
         assert tiny_model()(torch.randn(2, 8)).dtype == torch.float16
 
 

@@ -23,6 +23,12 @@ def test_ranks_agree_on_skipping(tmp_path, wrapper):
     assert r0["results"] == r1["results"]
     skipped = [step for step, (stepped, _) in enumerate(r0["results"]) if not stepped]
     assert skipped == [2, 5, 6, 11]
+    # every rank learns which rank overflowed; the fine rank says so instead of nothing
+    for step in range(14):
+        ranks, names, origin = r1["reasons"][step]
+        assert ranks == r0["reasons"][step][0] == ((0,) if step in skipped else ())
+        assert names == () and origin == ("the gradients of rank 0" if step in skipped else None)
+        assert (r0["reasons"][step][1] != ()) == (step in skipped)
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)
         assert torch.isfinite(a).all()

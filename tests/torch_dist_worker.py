@@ -31,7 +31,7 @@ else:
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
 mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu")
 g = torch.Generator().manual_seed(100 + rank)
-results = []
+results, reasons = [], []
 for step in range(steps):
     x = torch.randn(16, 8, generator=g)
     opt.zero_grad()
@@ -42,7 +42,8 @@ for step in range(steps):
         (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
     r = mp.step(opt)
     results.append((r.stepped, r.scale))
+    reasons.append((r.nonfinite_ranks, r.nonfinite, r.origin))
 params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
           for p in model.parameters()]  # fmt: skip
-torch.save({"results": results, "params": params}, f"{out}.{rank}")
+torch.save({"results": results, "reasons": reasons, "params": params}, f"{out}.{rank}")
 dist.destroy_process_group()

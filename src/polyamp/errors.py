@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 
@@ -24,7 +25,20 @@ class NonFiniteError(PolyampError):
 
 
 def invalid(what: str, received: object, accepted: Iterable[object] | str) -> PolyampError:
-    """Build the standard message: ``unknown <what> <received!r>; accepted: a, b, c``."""
+    """Build the standard message: ``unknown <what> <received!r>; accepted: a, b, c``, with
+    ``did you mean 'x'?`` first when ``received`` is a near miss of one accepted string."""
     if not isinstance(accepted, str):
-        accepted = ", ".join(str(a) for a in accepted)
+        accepted = [str(a) for a in accepted]
+        hint = suggestion(received, accepted)
+        return PolyampError(f"unknown {what} {received!r}; {hint}accepted: {', '.join(accepted)}")
     return PolyampError(f"unknown {what} {received!r}; accepted: {accepted}")
+
+
+def suggestion(received: object, choices: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` for the closest of ``choices`` to a string ``received``, else ``""``."""
+    if not isinstance(received, str) or not received.strip():
+        return ""
+    choices = list(choices)
+    lowered = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(received.strip().lower(), list(lowered), n=1, cutoff=0.75)
+    return f"did you mean {lowered[close[0]]!r}? " if close else ""

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import PolyampError, invalid
+from .errors import PolyampError, invalid, suggestion
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -148,6 +148,11 @@ class Policy:
             return cls(*_SPELLINGS[key])
         if "=" in key:
             return cls._parse_jmp(spec, key)
+        hint = suggestion(spec, POLICY_NAMES)
+        if hint:  # a near miss: the canonical names are enough next to the suggestion
+            names = ", ".join(names[0] for names in _NAMED)
+            raise PolyampError(f"unknown precision policy {spec!r}; {hint}accepted: {names}, their "
+                               f"aliases (polyamp.policy.POLICY_NAMES), {_GRAMMAR}")  # fmt: skip
         raise invalid("precision policy", spec, (*POLICY_NAMES, _GRAMMAR))
 
     @classmethod

@@ -28,7 +28,7 @@ import numpy as np
 
 from .errors import NonFiniteError, PolyampError, invalid
 
-PRESETS = ("polyamp", "torch", "keras", "jmp", "deepspeed", "mxnet")
+PRESETS = ("polyamp", "torch", "keras", "jmp", "deepspeed", "mxnet", "deepspeed-fp16")
 SCALE_DTYPES = ("float64", "float32", "float32-ftz")
 _F32_TINY = 2.0**-126  # smallest normal float32
 
@@ -72,6 +72,15 @@ class LossScaleState:
         _known_keys(cls, data, "loss-scale state")
         if "scale" not in data:
             raise PolyampError(f"a loss-scale state needs 'scale'; received keys {sorted(data)}")
+        for key, value in data.items():
+            if key in ("scale", "next_scale"):
+                ok = _number(value) and value >= 0 or (key == "next_scale" and value is None)
+                accepted = "a number >= 0 (inf allowed)" + (" or None" if key == "next_scale" else "")
+            else:
+                ok = _count(value, _STATE_MINIMA[key])
+                accepted = f"an integer >= {_STATE_MINIMA[key]}"
+            if not ok:
+                raise PolyampError(f"loss-scale state field {key!r} must be {accepted}; received {value!r}")
         values = {k: int(v) for k, v in data.items() if k not in ("scale", "next_scale")}
         next_scale = data.get("next_scale")
         return cls(
@@ -79,6 +88,11 @@ class LossScaleState:
             next_scale=None if next_scale is None else float(next_scale),
             **values,
         )
+
+
+# the smallest value each counter of a valid state can hold (good_steps starts at -growth_delay)
+_STATE_MINIMA = {"good_steps": -(2**31), "hysteresis_left": 1, "skipped_in_a_row": 0, "steps": 0,
+                 "skipped": 0}  # fmt: skip
 
 
 def _counted(state: LossScaleState, finite: bool, **changes: Any) -> LossScaleState:
@@ -119,11 +133,34 @@ def state_from_arrays(arrays: dict) -> LossScaleState:
 
 
 def _number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A real number that is not a bool (numpy scalars included); NaN is not one."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and value == value
 
 
 def _count(value: object, minimum: int) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    return integral and value >= minimum
+
+
+def _finite_flag(finite: object) -> bool:
+    """``finite`` as a Python bool: a bool or a one-element boolean array/tensor, else PolyampError."""
+    if isinstance(finite, (bool, np.bool_)):
+        return bool(finite)
+    shape = tuple(getattr(finite, "shape", ()) or ())
+    dtype = str(getattr(finite, "dtype", type(finite).__name__))
+    if "bool" not in dtype or int(np.prod(shape)) != 1:
+        raise PolyampError(
+            f"finite must be a bool (one flag for the whole step, agreed across ranks); received "
+            f"{type(finite).__name__} of dtype {dtype} and shape {shape}"
+        )
+    return bool(finite)
+
+
+def _check_state(state: object) -> None:
+    if not isinstance(state, LossScaleState):
+        raise PolyampError(
+            f"expected a LossScaleState (from init() or a previous update()); received {type(state).__name__}"
+        )
 
 
 _GUARD_RULE = ("max_consecutive_skips", lambda v: v is None or _count(v, 1), "None or >= 1")
@@ -151,7 +188,8 @@ class _LossScale:
 
     def update(self, state: LossScaleState, finite: bool) -> LossScaleState:
         """Count the step; the scale does not change (the dynamic scale overrides this)."""
-        return _counted(state, bool(finite))
+        _check_state(state)
+        return _counted(state, _finite_flag(finite))
 
     def update_arrays(self, state: dict, finite, xp) -> dict:
         """:meth:`update` written with array operations only, for inside ``jit``/``tf.function``.
@@ -163,27 +201,35 @@ class _LossScale:
         """
         return {**state, **_counted_arrays(state, finite, xp)}
 
-    def check(self, state: LossScaleState, where: str | None = None) -> None:
-        """Raise NonFiniteError once ``max_consecutive_skips`` steps in a row were not finite.
+    def check(self, state: LossScaleState, where: str | None = None, nonfinite: tuple[str, ...] = (),
+              skipped_before: int | None = None) -> None:  # fmt: skip
+        """Warn at the first skipped step of a run without loss scaling; raise NonFiniteError once
+        ``max_consecutive_skips`` steps in a row were not finite.
 
-        ``where`` names the layer or parameter that first produced a non-finite value, if known.
+        ``where`` names the layer that first produced a non-finite value, when known (``debug=True``
+        with ``watch(model)``); ``nonfinite`` the parameters whose gradients were not finite;
+        ``skipped_before`` the skip count at the previous check (default: ``state`` is one step
+        after it).
         """
+        if skipped_before is None:
+            skipped_before = state.skipped - (state.skipped_in_a_row > 0)
+        if self.kind == "none" and skipped_before == 0 < state.skipped:
+            warnings.warn(_FIRST_SKIP.format(where=_known(where, nonfinite)), RuntimeWarning, stacklevel=3)
         limit = self.max_consecutive_skips
         if limit is None or state.skipped_in_a_row < limit:
             return
-        origin = (
-            f"the first non-finite value came from {where!r}"
-            if where
-            else "the layer that first produced a non-finite value is not known"
-        )
+        scaled = self.kind != "none"
         raise NonFiniteError(
             f"{state.skipped_in_a_row} consecutive steps were skipped because the gradients were "
-            f"not finite (loss scale {state.scale:g}, max_consecutive_skips={limit}); {origin}. "
-            "Training is not progressing: lower the learning rate, check the data and the loss "
-            "for NaN/inf (log(0), division by zero, a too small eps), keep that layer in float32, "
-            "or train in bf16, which has float32's range and needs no loss scaling. "
-            "max_consecutive_skips=None turns this check off."
-        )
+            f"not finite (loss scale {state.scale:g}, max_consecutive_skips={limit}); "
+            f"{_known(where, nonfinite)}. Training is not progressing: lower the learning rate, "
+            "check the data and the loss for NaN/inf (log(0), division by zero, a too small eps), "
+            + ("keep that layer in float32, or train in bf16, which has float32's range and needs no "
+               "loss scaling. " if scaled else
+               "or keep that layer in float32 (with no loss scaling, a NaN/inf is not an overflow "
+               "that a scale could fix). ")
+            + "max_consecutive_skips=None turns this check off."
+        )  # fmt: skip
 
     def state_dict(self, state: LossScaleState) -> dict[str, Any]:
         """``state`` as plain values, for a checkpoint."""
@@ -235,6 +281,25 @@ class StaticLossScale(_LossScale):
     def init(self) -> LossScaleState:
         return LossScaleState(scale=float(self.scale))
 
+
+def _known(where: str | None, nonfinite: tuple[str, ...]) -> str:
+    """What is known of where a non-finite value came from, as a clause."""
+    if where:
+        return f"the first non-finite value came from {where!r}"
+    named = ""
+    if nonfinite:
+        shown = ", ".join(repr(n) for n in nonfinite[:5]) + (", ..." if len(nonfinite) > 5 else "")
+        named = f"the gradients of {len(nonfinite)} parameter(s) were not finite ({shown}); "
+    return (named + "the layer that first produced a non-finite value is not known (create the "
+            "MixedPrecision with debug=True and call mp.watch(model) to find it)")  # fmt: skip
+
+
+_FIRST_SKIP = (
+    "a step was skipped because its gradients were not finite, in a run without loss scaling "
+    "(bf16 or float32), where no overflow is expected: the NaN/inf comes from the model, the data "
+    "or the learning rate; {where}. Later skips are counted without a warning "
+    "(StepResult.stepped, state.skipped)."
+)
 
 _BELOW_ONE = (
     "the loss scale fell below 1: gradients are now scaled down, not up, and small ones flush to "
@@ -298,12 +363,17 @@ class DynamicLossScale(_LossScale):
         )
 
     @classmethod
-    def preset(cls, name: str) -> DynamicLossScale:
-        """The config that reproduces a library's own scale trajectory; one of :data:`PRESETS`."""
+    def preset(cls, name: str, **overrides: Any) -> DynamicLossScale:
+        """The config that reproduces a library's own scale trajectory; one of :data:`PRESETS`,
+        with any field changed by ``overrides`` (``preset("torch", growth_interval=10)``)."""
         key = name.lower() if isinstance(name, str) else None
         if key not in _PRESETS:
             raise invalid("loss-scale preset", name, PRESETS)
-        return cls(**_PRESETS[key])
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in overrides if k not in names]
+        if unknown:
+            raise invalid(f"field of preset({name!r})", unknown[0], names)
+        return cls(**{**_PRESETS[key], **overrides})
 
     def _round(self, scale: float) -> float:
         if self.scale_dtype == "float64":
@@ -340,7 +410,8 @@ class DynamicLossScale(_LossScale):
         ``one_step_lag`` the rule runs on ``next_scale`` and ``scale`` becomes the previous
         ``next_scale``. A RuntimeWarning says when the scale falls below 1.
         """
-        finite = bool(finite)
+        _check_state(state)
+        finite = _finite_flag(finite)
         lagged = self.one_step_lag and state.next_scale is not None
         base = state.next_scale if lagged else state.scale
         hysteresis_left = state.hysteresis_left
@@ -375,8 +446,12 @@ class DynamicLossScale(_LossScale):
         """The rule of :meth:`update` with array selects (see ``_LossScale.update_arrays``).
 
         The scale is float32 here, which is what the torch, keras and jmp presets model anyway
-        (``float32-ftz`` also flushes a subnormal scale to 0). ``one_step_lag`` (MXNet, an eager
-        framework) has no traced form.
+        (``float32-ftz`` also flushes a subnormal scale to 0). What holds: the result equals
+        :meth:`update`'s whenever ``scale_dtype`` is ``"float32"`` or ``"float32-ftz"``; with
+        ``"float64"`` (polyamp's default, kept exact on the host) it equals it while every scale
+        along the way is a float32 value, which holds for power-of-two factors and bounds (all
+        presets) but not, e.g., for ``growth_factor=3`` once a scale needs more than 24 bits.
+        ``one_step_lag`` (MXNet, an eager framework) has no traced form.
         """
         self.check_traceable()
         scale, good, hyst = state["scale"], state["good_steps"], state["hysteresis_left"]
@@ -439,13 +514,26 @@ _PRESETS: dict[str, dict[str, Any]] = {
     },
     # deepspeedai/DeepSpeed deepspeed/runtime/fp16/loss_scaler.py with the config defaults
     # (initial_scale_power 16, loss_scale_window 1000, hysteresis 2, min_loss_scale 1,
-    # consecutive_hysteresis False): growth needs stable_interval = iters since the last overflow
-    # - 1 to be a positive multiple of the window, so its first clean step does not count
-    # (growth_delay 1); Python float, unchecked growth. Its raise at min scale is not modelled.
+    # consecutive_hysteresis False), as the ZeRO optimizers run it: growth needs stable_interval =
+    # iters since the last overflow - 1 to be a positive multiple of the window, so its first clean
+    # step does not count (growth_delay 1); Python float, unchecked growth.
     "deepspeed": {
         "init_scale": 2.0**16,
         "growth_interval": 1000,
         "hysteresis": 2,
+        "min_scale": 1.0,
+        "max_scale": _INF,
+        "growth_delay": 1,
+        "allow_inf_scale": True,
+    },
+    # DeepSpeed's non-ZeRO FP16_Optimizer (deepspeed/runtime/fp16/fused_optimizer.py,
+    # _update_scale): the same window, delay and floor, but no hysteresis; the ZeRO optimizers use
+    # the loss_scaler.py rule above ("deepspeed"). Neither preset models DeepSpeed's default
+    # raise_error_at_min_scale (an exception when an overflow meets the floor): polyamp's guard is
+    # max_consecutive_skips.
+    "deepspeed-fp16": {
+        "init_scale": 2.0**16,
+        "growth_interval": 1000,
         "min_scale": 1.0,
         "max_scale": _INF,
         "growth_delay": 1,

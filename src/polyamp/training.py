@@ -18,7 +18,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import detect, get_backend, imported_frameworks
+from .backends import canonical_framework, detect, get_backend, imported_frameworks
 from .errors import PolyampError
 from .policy import Policy
 from .scaling import DynamicLossScale, NoLossScale, StaticLossScale, _number
@@ -36,8 +36,9 @@ class StepResult:
 
     ``scale`` is the loss scale for the next step; ``grad_norm`` the global gradient norm before
     clipping (computed when clipping was asked for); ``nonfinite`` the names of the parameters
-    whose gradients held inf/NaN on a skipped step; ``origin`` the first module whose forward
-    output or gradient became non-finite (with ``debug=True`` and ``watch(model)``).
+    whose gradients held inf/NaN on a skipped step (on this rank); ``origin`` the first module
+    whose forward output or gradient became non-finite (with ``debug=True`` and ``watch(model)``);
+    ``nonfinite_ranks`` the ranks (replicas) whose gradients were not finite, when distributed.
     """
 
     stepped: bool
@@ -45,17 +46,18 @@ class StepResult:
     grad_norm: float | None = None
     nonfinite: tuple[str, ...] = ()
     origin: str | None = None
+    nonfinite_ranks: tuple[int, ...] = ()
 
     # tf.nest protocol, so that a tf.function can return the StepResult of ``mp.apply`` (whose
     # stepped/scale/grad_norm are tensors there); names and the None-ness of grad_norm are static.
     def __tf_flatten__(self):
         values = (self.stepped, self.scale) + (() if self.grad_norm is None else (self.grad_norm,))
-        return (self.grad_norm is None, self.nonfinite, self.origin), values
+        return (self.grad_norm is None, self.nonfinite, self.origin, self.nonfinite_ranks), values
 
     @classmethod
     def __tf_unflatten__(cls, metadata, values):
-        no_norm, nonfinite, origin = metadata
-        return cls(values[0], values[1], None if no_norm else values[2], nonfinite, origin)
+        no_norm, nonfinite, origin, ranks = metadata
+        return cls(values[0], values[1], None if no_norm else values[2], nonfinite, origin, ranks)
 
 
 def make_loss_scale(spec, policy: Policy):
@@ -100,6 +102,12 @@ class MixedPrecision:
                  debug: bool = False, process_group: Any = None):  # fmt: skip
         self.policy = Policy.parse(policy)
         self.loss_scale = make_loss_scale(loss_scale, self.policy)
+        for name, value in (("guard", guard), ("debug", debug)):
+            if not isinstance(value, bool):
+                raise PolyampError(f"{name} must be True or False; received {value!r}")
+        if device is not None and not isinstance(device, str):
+            raise PolyampError(f"device must be a string such as 'cpu' or 'cuda:0', or None; "
+                               f"received {device!r}")  # fmt: skip
         if not guard and not isinstance(self.loss_scale, NoLossScale):
             raise PolyampError(
                 "guard=False needs loss_scale='none': a loss scale needs the finite check to adapt"
@@ -113,6 +121,9 @@ class MixedPrecision:
         self._names: dict[int, str] = {}
         self._origin: list[str] = []
         self._hooks: list[Any] = []
+        self._backwards = 0  # mp.backward / scale_loss calls since the last step
+        self._stepped_grads: Any = None  # the gradients' fingerprint after the last step
+        self._unscaled: dict[int, tuple[bool, tuple[int, ...]]] = {}  # optimizer id -> its check
         if framework is not None:
             self._use(framework).attach(self)  # MXNet: amp.init, before the network is built
 
@@ -130,15 +141,18 @@ class MixedPrecision:
     # -- which framework ---------------------------------------------------------------------------
     @property
     def backend(self):
+        return self._guess(imported_frameworks())
+
+    def _guess(self, candidates: list[str]):
+        """The bound framework's backend, or bind the only candidate."""
         if self.framework is None:
-            found = imported_frameworks()
-            if len(found) != 1:
+            if len(candidates) != 1:
                 raise PolyampError(
                     "cannot tell which framework this MixedPrecision drives "
-                    f"(imported: {', '.join(found) or 'none'}); pass framework='torch' (or "
-                    "'tensorflow', 'jax', 'mxnet')"
+                    f"(imported: {', '.join(imported_frameworks()) or 'none'}); pass framework='torch' "
+                    "(or 'tensorflow', 'jax', 'mxnet'), or hand it a model first (mp.watch(model))"
                 )
-            self.framework = found[0]
+            return self._use(candidates[0])
         return get_backend(self.framework)
 
     def _bind(self, obj: Any, what: str):
@@ -148,19 +162,18 @@ class MixedPrecision:
                 f"{what} must be a tensor/model/optimizer of a supported framework, got "
                 f"{type(obj).__module__}.{type(obj).__name__}"
             )
-        if self.framework is None:
-            self.framework = name
-        elif name != self.framework:
+        if self.framework is not None and name != self.framework:
             raise PolyampError(
                 f"this MixedPrecision drives {self.framework}, but {what} is a {name} object "
                 f"({type(obj).__module__}.{type(obj).__name__}); use one MixedPrecision per framework"
             )
-        return get_backend(name)
+        return self._use(name)
 
     def _use(self, name: str):
         """Bind to a framework by name, for idioms that are handed no framework object."""
+        name = canonical_framework(name)
         if self.framework is None:
-            get_backend(name)  # validates the name and that it is installed
+            get_backend(name).check_device(self.device)  # validates the name, install and device
             self.framework = name
         elif self.framework != name:
             raise PolyampError(
@@ -188,12 +201,39 @@ class MixedPrecision:
             raise PolyampError("rules= applies to JAX's mp.autocast(fn); pass the function to rewrite")
         if not enabled:
             return contextlib.nullcontext()
-        return self.backend.autocast(self.policy, device or self.device)
+        # the context form is the torch and MXNet idiom: with TF or JAX also imported, it is theirs
+        backend = self._guess([f for f in imported_frameworks() if f in ("torch", "mxnet")])
+        if device is not None and device != self.device:
+            backend.check_device(device)
+        return backend.autocast(self.policy, device or self.device)
 
     def backward(self, loss: Any, **kwargs) -> None:
         """Backpropagate ``loss * scale``; call once per micro-batch to accumulate gradients."""
         backend = self._bind(loss, "loss")
         backend.scale_loss(loss, self.current_scale).backward(**kwargs)
+        self._backwards += 1
+
+    def unscale_(self, optimizer: Any) -> bool:
+        """Unscale ``optimizer``'s gradients now, so that code can read or change them before
+        ``mp.step`` (which then does not unscale them again); returns whether they are finite.
+
+        As ``GradScaler.unscale_``: once per optimizer between two steps.
+        """
+        optimizers, backend = self._optimizers(optimizer)
+        if not backend.early_unscale:
+            raise PolyampError(f"unscale_() is the torch idiom; the {backend.name} step unscales in mp.step")
+        for opt in optimizers:
+            if id(opt) in self._unscaled:
+                raise PolyampError(
+                    f"unscale_() was already called on this {type(opt).__name__} since the last step(); "
+                    "its gradients are unscaled: call mp.step(optimizer) next"
+                )
+        self._check_fresh(backend, optimizers)
+        grads, _ = backend.gradients(optimizers)
+        checked = self._check(backend, grads)
+        for opt in optimizers:
+            self._unscaled[id(opt)] = checked
+        return checked[0]
 
     def step(self, optimizer: Any, batch_size: int | None = None, clip_grad_norm: float | None = None
              ) -> StepResult:  # fmt: skip
@@ -202,12 +242,7 @@ class MixedPrecision:
         ``optimizer`` may be a list: one check over all of them, all step or none, one update.
         ``batch_size`` is for MXNet's ``Trainer.step(batch_size)``.
         """
-        optimizers = list(optimizer) if type(optimizer) in (list, tuple) else [optimizer]  # not NamedTuples
-        if not optimizers:
-            raise PolyampError("step() got an empty list of optimizers")
-        backend = self._bind(optimizers[0], "optimizer")
-        for opt in optimizers[1:]:
-            self._bind(opt, "optimizer")
+        optimizers, backend = self._optimizers(optimizer)
         if batch_size is not None and not backend.takes_batch_size:
             raise PolyampError(
                 f"batch_size={batch_size!r} is for MXNet's Trainer.step; "
@@ -219,10 +254,20 @@ class MixedPrecision:
                 f"with a positive number (1 when the loss is already a mean); got batch_size={batch_size!r}"
             )
         check_clip_norm(clip_grad_norm)
+        if self.debug and not self._hooks:
+            raise PolyampError(
+                "debug=True finds where a NaN/inf first appears through hooks on the model: call "
+                "mp.watch(model) once before training (or create the MixedPrecision without debug)"
+            )
+        backend.check_params(optimizers, self.policy)
+        self._check_fresh(backend, optimizers)
         grads, params = backend.gradients(optimizers)
-        finite = True
-        if self.guard:
-            finite = backend.unscale_and_check(grads, 1.0 / self.current_scale, self.process_group)
+        done = [self._unscaled[id(opt)] for opt in optimizers if id(opt) in self._unscaled]
+        if len(done) < len(optimizers):
+            rest = [opt for opt in optimizers if id(opt) not in self._unscaled]
+            done.append(self._check(backend, grads if not done else backend.gradients(rest)[0]))
+        finite = all(ok for ok, _ in done)
+        ranks = tuple(sorted({r for _, rs in done for r in rs}))
         grad_norm = None
         nonfinite: tuple[str, ...] = ()
         if finite:
@@ -232,16 +277,61 @@ class MixedPrecision:
         else:
             nonfinite = backend.nonfinite([(self._name(p, i), g) for i, (p, g) in
                                            enumerate(zip(params, grads))])  # fmt: skip
-        origin = self._origin[0] if self._origin else (nonfinite[0] if nonfinite else None)
+        origin = self._origin[0] if self._origin else None
+        if origin is None and not nonfinite and ranks:
+            origin = f"the gradients of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         self._origin.clear()
+        self._unscaled.clear()
+        self._backwards = 0
+        self._stepped_grads = backend.fingerprint(grads)
         self.state = self.loss_scale.update(self.state, finite)
-        self.loss_scale.check(self.state, where=origin)
-        return StepResult(finite, self.current_scale, grad_norm, nonfinite, origin)
+        self.loss_scale.check(self.state, where=origin, nonfinite=nonfinite)
+        return StepResult(finite, self.current_scale, grad_norm, nonfinite, origin, ranks)
+
+    def _optimizers(self, optimizer: Any) -> tuple[list, Any]:
+        """The optimizers of one step (one or a list) and their backend."""
+        optimizers = list(optimizer) if type(optimizer) in (list, tuple) else [optimizer]  # not NamedTuples
+        if not optimizers:
+            raise PolyampError("step() got an empty list of optimizers")
+        backend = self._bind(optimizers[0], "optimizer")
+        for opt in optimizers[1:]:
+            self._bind(opt, "optimizer")
+        return optimizers, backend
+
+    def _check(self, backend, grads: list) -> tuple[bool, tuple[int, ...]]:
+        """Unscale and check in one pass: (finite on every rank, the ranks that were not)."""
+        if not self.guard:
+            return True, ()
+        checked = backend.unscale_and_check(grads, 1.0 / self.current_scale, self.process_group)
+        return checked if isinstance(checked, tuple) else (checked, ())
+
+    def _check_fresh(self, backend, optimizers: list) -> None:
+        """PolyampError when the gradients are not new, scaled ones: no backward since the last step
+        (a second step would apply them again), or a plain ``loss.backward()`` under a loss scale."""
+        if self._backwards or self._unscaled:
+            return
+        if backend.unchanged(backend.gradients(optimizers)[0], self._stepped_grads):
+            raise PolyampError(
+                "step() was already called since the last backward: these gradients were applied; "
+                "call mp.backward(loss) (after optimizer.zero_grad()) before the next mp.step"
+            )
+        if self.current_scale != 1.0:
+            raise PolyampError(
+                f"the gradients did not come from mp.backward(loss): they are not multiplied by the "
+                f"loss scale ({self.current_scale:g}), and mp.step would divide them by it; call "
+                "mp.backward(loss) instead of loss.backward()"
+            )
 
     def watch(self, model: Any) -> Any:
         """Learn the model's parameter names (for ``StepResult.nonfinite``) and, with
-        ``debug=True``, record the first module whose output or gradient turns non-finite."""
+        ``debug=True``, record the first module whose output or gradient turns non-finite.
+
+        Under a "true" policy (``bf16-true``, ``fp16-true``: parameters in the low dtype) the
+        model's floating parameters are cast to that dtype (in place for torch, as Lightning's
+        ``bf16-true`` does); the model is returned.
+        """
         backend = self._bind(model, "model")
+        model = backend.prepare_model(model, self.policy)
         self._names.update(backend.parameter_names(model))
         if self.debug:
             self._hooks.extend(backend.watch_nonfinite(model, self._origin))
@@ -294,7 +384,9 @@ class MixedPrecision:
 
     def scale_loss(self, loss: Any, trainer: Any):
         """Context manager yielding ``loss * scale`` (a list for a list of losses) to backpropagate."""
-        return self._bind(trainer, "trainer").scale_loss_context(self, loss, trainer)
+        context = self._bind(trainer, "trainer").scale_loss_context(self, loss, trainer)
+        self._backwards += 1
+        return context
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -11,13 +11,27 @@ import sys
 from functools import cache
 from typing import Any
 
-from ..errors import PolyampError
+from ..errors import PolyampError, invalid
 from ._base import Backend
 
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
 _MODULE_ROOTS = {"torch": "torch", "tensorflow": "tensorflow", "keras": "tensorflow",
                  "tf_keras": "tensorflow", "jax": "jax", "jaxlib": "jax", "optax": "jax",
                  "flax": "jax", "mxnet": "mxnet"}  # fmt: skip
+
+
+# common names for the frameworks -> polyamp's
+ALIASES = {"pytorch": "torch", "tf": "tensorflow", "keras": "tensorflow", "tf.keras": "tensorflow",
+           "flax": "jax", "mx": "mxnet", "gluon": "mxnet"}  # fmt: skip
+
+
+def canonical_framework(name: Any) -> str:
+    """polyamp's name for a framework name or alias ('pytorch' -> 'torch'), else PolyampError."""
+    key = name.strip().lower() if isinstance(name, str) else None
+    key = ALIASES.get(key, key)
+    if key not in FRAMEWORKS:
+        raise invalid("framework", name, [*FRAMEWORKS, *ALIASES])
+    return key
 
 
 def detect(obj: Any) -> str | None:
@@ -36,8 +50,7 @@ def imported_frameworks() -> list[str]:
 @cache
 def get_backend(name: str) -> Backend:
     """The backend for a framework name; imports that framework."""
-    if name not in FRAMEWORKS:
-        raise PolyampError(f"unknown framework {name!r}; accepted: {', '.join(FRAMEWORKS)}")
+    name = canonical_framework(name)
     try:
         module = importlib.import_module(f".{name}", __name__)
     except ModuleNotFoundError as err:
@@ -51,4 +64,5 @@ def get_backend(name: str) -> Backend:
     return module.BACKEND
 
 
-__all__ = ["FRAMEWORKS", "Backend", "detect", "get_backend", "imported_frameworks"]
+__all__ = ["ALIASES", "FRAMEWORKS", "Backend", "canonical_framework", "detect", "get_backend",
+           "imported_frameworks"]

@@ -18,6 +18,7 @@ class Backend:
 
     name = "?"
     takes_batch_size = False  # whether the optimizer step needs the batch size (MXNet's Trainer)
+    early_unscale = False  # whether mp.unscale_(optimizer) may run before mp.step (torch)
 
     def _unsupported(self, what: str) -> PolyampError:
         return PolyampError(f"{what} is not supported by the {self.name} backend")
@@ -29,6 +30,24 @@ class Backend:
     def cast(self, x: Any, dtype: str) -> Any:
         """Cast a floating tensor to ``dtype`` ('float32', 'bfloat16', 'float16')."""
         raise self._unsupported("cast")
+
+    def check_device(self, device: str | None) -> None:
+        """PolyampError unless ``device`` names a device this framework can autocast on."""
+
+    def check_params(self, optimizers: Sequence[Any], policy) -> None:
+        """PolyampError when the parameters are not in the policy's parameter dtype."""
+
+    def prepare_model(self, model: Any, policy) -> Any:
+        """The model with its parameters in the policy's parameter dtype (``mp.watch``)."""
+        return model
+
+    def fingerprint(self, grads: list[Any]) -> Any:
+        """Something that tells these gradient tensors, unchanged, from any later ones."""
+        return None
+
+    def unchanged(self, grads: list[Any], fingerprint: Any) -> bool:
+        """True when ``grads`` are the very tensors, unmodified, that ``fingerprint`` was taken of."""
+        return False
 
     def attach(self, mp) -> None:
         """Called when a ``MixedPrecision`` is created for this framework by name (MXNet sets up

@@ -14,7 +14,9 @@ before differentiation and the grads are multiplied by ``1/scale`` after, so the
 ``lax.pmin`` over ``axis_name`` inside ``shard_map``/``pmap``); ``new_state`` is the
 loss-scale update of ``scaling.py`` written with selects. Nothing syncs with the host, so the
 whole step stays in one ``jit``. ``mp.sync(state)`` brings a state back to ``mp.state`` (for
-``mp.state_dict()``, ``mp.current_scale`` and the too-many-skips check).
+``mp.state_dict()``, ``mp.current_scale`` and the too-many-skips check). A jitted step cannot
+raise, so ``NonFiniteError`` and the warning at the first skip of a bf16/float32 run come only
+from ``mp.sync``: call it every few hundred steps (one small device-to-host copy).
 """
 
 from __future__ import annotations
@@ -66,7 +68,23 @@ class ScaleState:
 
 def select_tree(pred, on_true, on_false):
     """``on_true`` where the 0-d bool ``pred`` holds, else ``on_false``, leaf by leaf (no branch)."""
+    if jnp.shape(pred) != () or jnp.result_type(pred) != jnp.bool_:
+        raise PolyampError(
+            f"select_tree needs a 0-d bool predicate (e.g. the finite flag); received dtype "
+            f"{jnp.result_type(pred)} and shape {jnp.shape(pred)}"
+        )
+    if jax.tree.structure(on_true) != jax.tree.structure(on_false):
+        raise PolyampError(
+            f"select_tree needs two trees of one structure; received {jax.tree.structure(on_true)} "
+            f"and {jax.tree.structure(on_false)}"
+        )
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def cast_tree(tree, dtype: str):
+    """``tree`` with every floating leaf cast to ``dtype`` (e.g. params for a "true" policy)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+                        else x, tree)  # fmt: skip
 
 
 def apply_if_finite(finite, optimizer, grads, opt_state, params):
@@ -145,8 +163,9 @@ class JaxBackend(Backend):
         if state.config != mp.loss_scale:
             raise PolyampError(f"this state belongs to loss scale {state.config!r}, not to this "
                                f"MixedPrecision's {mp.loss_scale!r}")  # fmt: skip
+        before = mp.state.skipped
         mp.state = state.to_state()
-        mp.loss_scale.check(mp.state)
+        mp.loss_scale.check(mp.state, skipped_before=before)
         return mp.state
 
     def grad(self, mp, fn, **kwargs):
@@ -163,11 +182,12 @@ class JaxBackend(Backend):
     def value_and_grad(self, mp, fn, *, argnums=0, has_aux: bool = False, axis_name=None):
         if not callable(fn):
             raise PolyampError(f"value_and_grad expects the loss function, got {type(fn).__name__}")
-        guard = mp.guard
+        guard, policy = mp.guard, mp.policy
 
         @functools.wraps(fn)
         def value_and_grad_fn(*args, state=None, **kwargs):
             _check_state(state)
+            _check_param_dtypes(args, argnums, policy)
             scaling = not isinstance(state.config, NoLossScale)
 
             def scaled(*a, **k):
@@ -208,6 +228,22 @@ def _check_state(state) -> None:
         )
 
 
+def _check_param_dtypes(args, argnums, policy) -> None:
+    """Under a "true" policy the differentiated arguments must hold the low dtype (checked at trace
+    time, so it costs nothing under ``jit``)."""
+    if policy.param_dtype == "float32":
+        return
+    for i in (argnums,) if isinstance(argnums, int) else argnums:
+        for leaf in jax.tree.leaves(args[i] if i < len(args) else ()):
+            dtype = jnp.result_type(leaf)
+            if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.dtype(policy.param_dtype):
+                raise PolyampError(
+                    f"policy {policy.name!r} keeps parameters in {policy.param_dtype}, but argument {i} "
+                    f"holds a {jnp.shape(leaf)} {dtype} leaf: cast them once, params = "
+                    f"polyamp.backends.jax.cast_tree(params, {policy.param_dtype!r})"
+                )
+
+
 def _check_loss(loss) -> None:
     dtype = getattr(loss, "dtype", None)
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.shape(loss) != ():
@@ -237,4 +273,4 @@ def _probe(dtype: str, backend: str) -> None:
 BACKEND = JaxBackend()
 
 __all__ = ["BACKEND", "DEFAULT_RULES", "AutocastRules", "ScaleState", "all_finite", "apply_if_finite",
-           "select_tree"]  # fmt: skip
+           "cast_tree", "select_tree"]  # fmt: skip

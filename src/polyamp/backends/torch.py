@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,51 @@ def _autocast_refusal(device: str, dtype) -> str | None:
 
 class TorchBackend(Backend):
     name = "torch"
+    early_unscale = True
+
+    def check_device(self, device: str | None) -> None:
+        if device is None:
+            return
+        try:
+            kind = torch.device(device).type
+        except (RuntimeError, TypeError) as err:
+            raise PolyampError(
+                f"torch does not know the device {device!r} ({str(err).splitlines()[0]}); accepted: "
+                "'cpu', 'cuda', 'cuda:N' and the other torch device types"
+            ) from None
+        if not torch.amp.is_autocast_available(kind):
+            raise PolyampError(f"torch has no autocast for device type {kind!r} (device {device!r})")
+
+    def check_params(self, optimizers, policy) -> None:
+        """Under a "true" policy, every parameter must be stored in the low dtype."""
+        if policy.param_dtype == "float32":
+            return
+        want = _DTYPES[policy.param_dtype]
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if p.is_floating_point() and p.dtype != want:
+                        raise PolyampError(
+                            f"policy {policy.name!r} keeps parameters in {policy.param_dtype}, but a "
+                            f"{tuple(p.shape)} parameter is {str(p.dtype).replace('torch.', '')}: call "
+                            f"mp.watch(model) before creating the optimizer (it casts the model), or "
+                            f"model.to({want})"
+                        )
+
+    def prepare_model(self, model, policy):
+        if not isinstance(model, torch.nn.Module):
+            raise PolyampError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        if policy.param_dtype != "float32":
+            model.to(_DTYPES[policy.param_dtype])  # floating parameters and buffers only
+        return model
+
+    def fingerprint(self, grads):
+        return [(weakref.ref(g), g._version) for g in grads]
+
+    def unchanged(self, grads, fingerprint) -> bool:
+        if fingerprint is None or len(grads) != len(fingerprint):
+            return False
+        return all(ref() is g and g._version == v for g, (ref, v) in zip(grads, fingerprint))
 
     def is_tensor(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
@@ -45,7 +91,7 @@ class TorchBackend(Backend):
     def autocast(self, policy, device: str | None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = _DTYPES[policy.compute_dtype]
-        if dtype in (torch.float32, torch.float64) or not policy.is_mixed:
+        if dtype in (torch.float32, torch.float64):
             return torch.autocast(device, enabled=False)
         reason = _autocast_refusal(device, dtype)
         if reason is not None:
@@ -55,8 +101,9 @@ class TorchBackend(Backend):
             )
         if device == "cpu" and dtype == torch.float16:
             _warn_once(
-                "fp16 autocast on CPU runs without fp16 hardware in most CPUs (about 100x slower "
-                "than float32 in torch on this project's machine); bf16-mixed is the CPU path"
+                "fp16 autocast on CPU: most CPUs have no float16 arithmetic, and torch's CPU float16 "
+                "matmuls can then be much slower than float32 (docs/BENCHMARKS.md); bf16-mixed is the "
+                "CPU path"
             )
         return torch.autocast(device, dtype=dtype)
 
@@ -91,13 +138,15 @@ class TorchBackend(Backend):
             raise PolyampError("no parameter has a gradient: call mp.backward(loss) before mp.step")
         return grads, params
 
-    def unscale_and_check(self, grads, inv_scale: float, group=None) -> bool:
+    def unscale_and_check(self, grads, inv_scale: float, group=None) -> tuple[bool, tuple[int, ...]]:
         found = {}
         by_device: dict[tuple, list] = {}
         inv = {}
         for g in grads:
             if g.is_sparse:
                 g = g._values()  # coalesced by gradients(): a view of the gradient's own values
+            elif hasattr(g, "to_local"):  # a DTensor (FSDP2): check this rank's shard, so that the
+                g = g.to_local()  # all-reduce below can say which rank overflowed
             by_device.setdefault((g.device, g.dtype), []).append(g)
         for (device, _), tensors in by_device.items():
             if device not in found:
@@ -107,15 +156,22 @@ class TorchBackend(Backend):
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
         flags = list(found.values())
         flag = flags[0] if len(flags) == 1 else sum(f.to(flags[0].device) for f in flags)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(flag, torch.distributed.ReduceOp.MAX, group=group)
-        return float(flag.item()) == 0.0
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return float(flag.item()) == 0.0, ()
+        # one slot per rank, so that every rank learns which ones overflowed: still one all-reduce
+        slots = torch.zeros(dist.get_world_size(group), dtype=torch.float32, device=flag.device)
+        slots[dist.get_rank(group)] = flag[0]
+        dist.all_reduce(slots, dist.ReduceOp.MAX, group=group)
+        bad = tuple(int(r) for r in torch.nonzero(slots).flatten().tolist())
+        return not bad, bad
 
     def clip(self, grads, params, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def nonfinite(self, named_grads) -> tuple[str, ...]:
-        return tuple(name for name, g in named_grads if not bool(torch.isfinite(g).all()))
+        return tuple(name for name, g in named_grads
+                     if not bool(torch.isfinite(g._values() if g.is_sparse else g).all()))  # fmt: skip
 
     def apply(self, optimizers, batch_size=None) -> None:
         for opt in optimizers:
@@ -123,8 +179,6 @@ class TorchBackend(Backend):
 
     # -- names and debugging -----------------------------------------------------------------------
     def parameter_names(self, model) -> dict[int, str]:
-        if not isinstance(model, torch.nn.Module):
-            raise PolyampError(f"expected a torch.nn.Module, got {type(model).__name__}")
         return {id(p): name for name, p in model.named_parameters()}
 
     def watch_nonfinite(self, model, origin: list[str]) -> list[Any]:
