@@ -281,3 +281,18 @@ def test_the_readme_snippet_works_with_tensorflow_and_jax_imported_too():
     assert mp.framework == "torch"
     mp.backward(loss)
     assert mp.step(opt).stepped
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------
+def test_loading_keeps_this_runs_settings_and_says_which_differ():
+    seven = pa.DynamicLossScale(growth_interval=7)
+    saved = pa.MixedPrecision("fp16-mixed", framework="torch", loss_scale=seven)
+    saved.state = saved.loss_scale.update(saved.state, False)
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch")
+    with pytest.warns(RuntimeWarning, match="growth_interval=7 -> 2000"):
+        mp.load_state_dict(saved.state_dict())
+    assert mp.state == saved.state and mp.loss_scale.growth_interval == 2000
+    same = pa.MixedPrecision("fp16-mixed", framework="torch", loss_scale=seven)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(saved.state_dict())

@@ -15,6 +15,7 @@ Every policy guards the update: a non-finite step is skipped also when no loss s
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -408,8 +409,26 @@ class MixedPrecision:
                 f"the checkpoint was saved with policy {state['policy']!r}, this run uses "
                 f"{self.policy.name!r}; create MixedPrecision({state['policy']!r}) to resume it"
             )
-        self.state = self.loss_scale.load_state(state["state"])
+        new_state = self.loss_scale.load_state(state["state"])
+        _warn_if_config_differs(state.get("loss_scale"), self.loss_scale)
+        self.state = new_state
 
     def __repr__(self) -> str:
         return (f"MixedPrecision({self.policy.name!r}, framework={self.framework!r}, "
                 f"scale={self.current_scale:g})")  # fmt: skip
+
+
+def _warn_if_config_differs(saved: Any, loss_scale: Any) -> None:
+    """Resuming keeps this run's loss-scale settings (GradScaler adopts the saved ones): say so
+    when they differ from the checkpoint's."""
+    ours = loss_scale.as_dict() if hasattr(loss_scale, "as_dict") else None
+    if not isinstance(saved, dict) or not isinstance(ours, dict) or saved == ours:
+        return
+    changed = [f"{k}={saved.get(k)!r} -> {ours.get(k)!r}" for k in sorted(set(saved) | set(ours))
+               if saved.get(k) != ours.get(k)]  # fmt: skip
+    warnings.warn(
+        "the checkpoint's loss-scale settings differ from this run's; the saved state (scale, "
+        f"counters) is restored and this run's settings are kept: {', '.join(changed)}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
