@@ -296,3 +296,17 @@ def test_loading_keeps_this_runs_settings_and_says_which_differ():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same.load_state_dict(saved.state_dict())
+
+
+def test_a_gradscaler_checkpoint_loads_and_a_polyamp_one_goes_back():
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    scaler.load_state_dict({**scaler.state_dict(), "_growth_tracker": 3})
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", loss_scale=pa.DynamicLossScale.preset(
+        "torch", growth_interval=7))  # fmt: skip
+    mp.load_state_dict(scaler.state_dict())
+    assert (mp.current_scale, mp.state.good_steps) == (1024.0, 3)
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(mp.state_dict(native="torch"))
+    assert back.get_scale() == 1024.0 and back.get_growth_interval() == 7
+    with pytest.raises(PolyampError, match="holds a dynamic loss scale, but this run has NoLossScale"):
+        pa.MixedPrecision("bf16-mixed", framework="torch").load_state_dict(scaler.state_dict())

@@ -5,6 +5,7 @@ first used.
 """
 
 from .errors import NonFiniteError, PolyampError, UnsupportedError
+from .native import from_native, to_native
 from .numerics import FORMATS, ROUNDINGS, FloatFormat, decode, encode, get_format, quantize
 from .policy import Policy
 from .scaling import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
@@ -28,6 +29,8 @@ __all__ = [
     "UnsupportedError",
     "decode",
     "encode",
+    "from_native",
     "get_format",
     "quantize",
+    "to_native",
 ]

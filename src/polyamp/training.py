@@ -21,6 +21,7 @@ from typing import Any
 
 from .backends import canonical_framework, detect, get_backend, imported_frameworks
 from .errors import PolyampError
+from .native import from_native, to_native
 from .policy import Policy
 from .scaling import DynamicLossScale, NoLossScale, StaticLossScale, _number
 
@@ -229,8 +230,8 @@ class MixedPrecision:
                     f"unscale_() was already called on this {type(opt).__name__} since the last step(); "
                     "its gradients are unscaled: call mp.step(optimizer) next"
                 )
-        self._check_fresh(backend, optimizers)
         grads, _ = backend.gradients(optimizers)
+        self._check_fresh(backend, grads)
         checked = self._check(backend, grads)
         for opt in optimizers:
             self._unscaled[id(opt)] = checked
@@ -261,8 +262,8 @@ class MixedPrecision:
                 "mp.watch(model) once before training (or create the MixedPrecision without debug)"
             )
         backend.check_params(optimizers, self.policy)
-        self._check_fresh(backend, optimizers)
         grads, params = backend.gradients(optimizers)
+        self._check_fresh(backend, grads)
         done = [self._unscaled[id(opt)] for opt in optimizers if id(opt) in self._unscaled]
         if len(done) < len(optimizers):
             rest = [opt for opt in optimizers if id(opt) not in self._unscaled]
@@ -306,12 +307,12 @@ class MixedPrecision:
         checked = backend.unscale_and_check(grads, 1.0 / self.current_scale, self.process_group)
         return checked if isinstance(checked, tuple) else (checked, ())
 
-    def _check_fresh(self, backend, optimizers: list) -> None:
+    def _check_fresh(self, backend, grads: list) -> None:
         """PolyampError when the gradients are not new, scaled ones: no backward since the last step
         (a second step would apply them again), or a plain ``loss.backward()`` under a loss scale."""
         if self._backwards or self._unscaled:
             return
-        if backend.unchanged(backend.gradients(optimizers)[0], self._stepped_grads):
+        if backend.unchanged(grads, self._stepped_grads):
             raise PolyampError(
                 "step() was already called since the last backward: these gradients were applied; "
                 "call mp.backward(loss) (after optimizer.zero_grad()) before the next mp.step"
@@ -390,20 +391,37 @@ class MixedPrecision:
         return context
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Policy, loss-scale configuration and state, as plain Python values."""
+    def state_dict(self, native: str | None = None) -> Any:
+        """Policy, loss-scale configuration and state, as plain Python values; with ``native``
+        (``"torch"``, ``"keras"``, ``"jmp"``, ``"deepspeed"``, ``"deepspeed-fp16"``) the loss-scale
+        state in that library's own form instead (``polyamp.native.to_native``)."""
+        if native is not None:
+            return to_native(self.loss_scale, self.state, native)
         return {
             "policy": self.policy.name,
             "loss_scale": self.loss_scale.as_dict(),
             "state": self.loss_scale.state_dict(self.state),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the loss-scale state saved by ``state_dict``."""
-        if not isinstance(state, dict) or "state" not in state or "policy" not in state:
-            raise PolyampError(
-                f"expected a dict from MixedPrecision.state_dict(), got {type(state).__name__}"
-            )
+    def load_state_dict(self, state: Any) -> None:
+        """Restore the loss-scale state saved by ``state_dict``, or by a native scaler (a torch
+        ``GradScaler`` or its state dict, a Keras ``LossScaleOptimizer``, a jmp
+        ``DynamicLossScale``, a DeepSpeed scaler state; see ``polyamp.native``).
+
+        This run's loss-scale settings are kept (``GradScaler`` adopts the saved ones instead);
+        a RuntimeWarning names the settings that differ from the checkpoint's.
+        """
+        if not (isinstance(state, dict) and "state" in state and "policy" in state):
+            if not isinstance(self.loss_scale, DynamicLossScale):
+                raise PolyampError(
+                    f"a native loss-scaler checkpoint holds a dynamic loss scale, but this run has "
+                    f"{type(self.loss_scale).__name__} (policy {self.policy.name!r}); expected a dict "
+                    f"from MixedPrecision.state_dict(), got {type(state).__name__}"
+                )
+            config, new_state = from_native(state)
+            _warn_if_config_differs(config.as_dict(), self.loss_scale)
+            self.state = new_state
+            return
         if Policy.parse(state["policy"]) != self.policy:
             raise PolyampError(
                 f"the checkpoint was saved with policy {state['policy']!r}, this run uses "
