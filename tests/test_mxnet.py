@@ -186,6 +186,167 @@ def test_mxnet_preset_equals_the_real_loss_scaler_at_the_cap_and_below_one():
     assert preset_run(flags, growth_interval=3) == expected and min(expected) == 2.0**-4  # no floor
 
 
+# -- loss-output ops (SoftmaxOutput, LinearRegressionOutput, ...) ---------------------------------
+# contrib.amp makes these ops multiply their gradient by a process-wide loss scale when they run
+# (they ignore the gradient flowing into their output, so scaling the loss cannot reach them).
+LOSS_OUTPUT_STEP = """
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import numpy as np
+mode = sys.argv[1]
+if mode == "polyamp":
+    import polyamp as pa
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet")
+import mxnet as mx
+from mxnet import autograd, gluon
+from mxnet.contrib import amp
+if mode == "native":
+    amp.init(target_dtype="bfloat16")
+result = {}
+for op in ("SoftmaxOutput", "LinearRegressionOutput"):
+    rng = np.random.default_rng(0)
+    net = gluon.nn.Dense(3, in_units=4)
+    net.initialize()
+    for p in net.collect_params().values():
+        p.set_data(mx.nd.array(rng.uniform(-0.5, 0.5, p.shape).astype(np.float32)))
+    x = mx.nd.array(rng.standard_normal((16, 4)).astype(np.float32))
+    label = mx.nd.array(rng.integers(0, 3, 16) if op == "SoftmaxOutput" else rng.standard_normal((16, 3)))
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5}, update_on_kvstore=False)
+    if mode == "polyamp":
+        trainer = mp.trainer(trainer)
+    elif mode == "native":
+        amp.init_trainer(trainer)
+    with autograd.record():
+        out = getattr(mx.nd, op)(net(x), label)
+        if mode == "polyamp":
+            with mp.scale_loss(out, trainer) as scaled:
+                autograd.backward(scaled)
+        elif mode == "native":
+            with amp.scale_loss(out, trainer) as scaled:
+                autograd.backward(scaled)
+        else:
+            out.backward()
+    before = net.weight.data().asnumpy()
+    mp.step(trainer, 16) if mode == "polyamp" else trainer.step(16)
+    result[op] = [before.ravel().tolist(), net.weight.data().asnumpy().ravel().tolist()]
+print(json.dumps(result))
+"""
+
+
+def test_loss_output_ops_take_one_sgd_step_like_native_contrib_amp_and_fp32():
+    """bf16-mixed (no loss scale): the ops must not multiply by contrib.amp's 65536. Native
+    contrib.amp scales by 2^16 and unscales exactly, so its weights are bit-identical."""
+
+    def run(mode):
+        out = run_python(LOSS_OUTPUT_STEP, mode)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    ours, native, fp32 = run("polyamp"), run("native"), run("fp32")
+    for op in ours:
+        assert ours[op] == native[op], op
+        w0, w1 = (np.array(w) for w in ours[op])
+        update = np.array(fp32[op][1]) - w0  # bf16 compute: 2^-8 relative on each gradient
+        np.testing.assert_allclose(w1 - w0, update, rtol=0, atol=0.02 * np.abs(update).max(), err_msg=op)
+
+
+# each op and a gluon.loss with the same gradient (its "twin")
+TWINS = {
+    "LinearRegressionOutput": gluon.loss.L2Loss(),  # (out - label) / outputs
+    "SoftmaxOutput": gluon.loss.SoftmaxCrossEntropyLoss(),  # softmax(out) - onehot(label)
+}
+
+
+def loss_output_run(op, twin, steps=6, overflow=1):
+    """Dense(4->3) trained with ``op`` (or its twin) under bf16-mixed and loss_scale='mxnet', an
+    inf injected on step ``overflow``; the weights and the scale after each step."""
+    rng = np.random.default_rng(5)
+    net = gluon.nn.Dense(3, in_units=4)
+    net.initialize()
+    for p in net.collect_params().values():
+        p.set_data(mx.nd.array(rng.uniform(-0.5, 0.5, p.shape).astype(np.float32)))
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale="mxnet")
+    trainer = mp.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.2}))
+    x = mx.nd.array(rng.standard_normal((16, 4)).astype(np.float32))
+    label = mx.nd.array(rng.integers(0, 3, 16) if op == "SoftmaxOutput" else rng.standard_normal((16, 3)))
+    weights, scales = [], []
+    for step in range(steps):
+        with autograd.record():
+            out = net(x)
+            loss = TWINS[op](out, label) if twin else getattr(mx.nd, op)(out, label)
+            with mp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        if step == overflow:
+            net.bias.grad()[1] = np.inf
+        result = mp.step(trainer, 16)
+        assert result.stepped == (step != overflow)
+        weights.append(net.weight.data().asnumpy().copy())
+        scales.append(result.scale)
+    return weights, scales
+
+
+@pytest.mark.parametrize("op", list(TWINS))
+def test_loss_output_ops_follow_the_mxnet_scale_after_an_overflow(op):
+    """loss_scale='mxnet' halves the scale one step after the overflow; the op must halve too."""
+    with_op, op_scales = loss_output_run(op, twin=False)
+    twin, twin_scales = loss_output_run(op, twin=True)
+    assert op_scales == twin_scales == [2.0**16, 2.0**16, 2.0**15, 2.0**15, 2.0**15, 2.0**15]
+    for step, (a, b) in enumerate(zip(with_op, twin)):
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3, err_msg=f"step {step}")
+
+
+def test_a_loss_output_op_in_a_hybridized_block_is_refused_under_a_loss_scale():
+    """In a hybridized block the op's grad_scale is fixed in the cached graph (contrib.amp does
+    not scale it there at all): it cannot follow a loss scale, but runs unscaled without one."""
+
+    class Regression(gluon.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.dense = gluon.nn.Dense(3, in_units=4)
+
+        def hybrid_forward(self, F, x, label):
+            return F.LinearRegressionOutput(self.dense(x), label)
+
+    x, label = mx.nd.ones((2, 4)), mx.nd.zeros((2, 3))
+    mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale="dynamic")
+    net = Regression()
+    net.initialize()
+    net.hybridize()
+    trainer = mp.trainer(gluon.Trainer(net.collect_params(), "sgd"))
+    with autograd.record(), pytest.raises(
+        UnsupportedError, match=r"LinearRegressionOutput in a hybridized block.*scale 65536"
+    ):
+        net(x, label)
+    plain = Regression()
+    plain.initialize()
+    plain.hybridize()
+    trainer = MP.trainer(gluon.Trainer(plain.collect_params(), "sgd"))  # bf16-mixed: no loss scale
+    with autograd.record():
+        with MP.scale_loss(plain(x, label), trainer) as scaled:
+            autograd.backward(scaled)
+    assert MP.step(trainer, 2).stepped
+
+
+def test_a_loss_output_op_run_under_another_mixed_precision_is_refused():
+    """The ops read one process-wide scale when they run: the MixedPrecision used last's."""
+    net = gluon.nn.Dense(3, in_units=4)
+    net.initialize()
+    x, label = mx.nd.ones((2, 4)), mx.nd.zeros((2, 3))
+    mine = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=64.0)
+    trainer = mine.trainer(gluon.Trainer(net.collect_params(), "sgd"))
+    other = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=8.0)  # used last: the ops follow it
+    with autograd.record():
+        out = mx.nd.LinearRegressionOutput(net(x), label)
+        with pytest.raises(PolyampError, match=r"multiplied its gradient by 8 .* scales by 64"):
+            mine.scale_loss(out, trainer)
+    with autograd.record():  # mine.scale_loss made mine the one the ops follow
+        out = mx.nd.LinearRegressionOutput(net(x), label)
+        with mine.scale_loss(out, trainer) as scaled:
+            autograd.backward(scaled)
+    assert mine.step(trainer, 2).stepped
+    assert other.current_scale == 8.0
+
+
 # -- fault injection -------------------------------------------------------------------------------
 def test_fault_injection_2000_steps():
     rng = np.random.default_rng(0)
@@ -323,6 +484,27 @@ def test_two_devices_are_all_reduced_before_the_check_and_update_off_the_kvstore
         np.testing.assert_allclose(update, expected, rtol=0, atol=0.02 * np.abs(expected).max())
 
 
+def test_two_devices_are_all_reduced_once_per_step():
+    """Without a loss scale a plain backward may feed mp.step; its gradients must be summed over
+    the devices once, as after mp.scale_loss (a second all-reduce would double them)."""
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    x, y = batch(0)
+    xs, ys = gluon.utils.split_and_load(x, ctx), gluon.utils.split_and_load(y, ctx)
+    summed = []
+    for through_scale_loss in (True, False):
+        net = build(ctx=ctx)
+        trainer = MP.trainer(gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.0}))
+        with autograd.record():
+            losses = [L2(net(a), b) for a, b in zip(xs, ys)]
+            if through_scale_loss:
+                with MP.scale_loss(losses, trainer) as scaled:
+                    autograd.backward(scaled)
+            else:
+                autograd.backward(losses)
+        assert MP.step(trainer, 32).stepped
+        summed.append([g.asnumpy() for p in net.collect_params().values() for g in p.list_grad()])
+    assert same(*summed)
+
 def test_debug_names_the_first_layer_with_a_nonfinite_output():
     net = build(hybridize=False, activation="tanh")  # relu would turn the NaN into 0
     mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", debug=True)
@@ -406,8 +588,36 @@ def test_fp16_on_cpu_is_unsupported_with_the_reason():
         pa.MixedPrecision("fp16-mixed", framework="mxnet")
     with pytest.raises(UnsupportedError, match="cuDNN"):
         pa.MixedPrecision("fp16-mixed", framework="mxnet", device="cpu")
-    with pytest.raises(UnsupportedError, match=r"got policy 'bf16-true'.*accepted: 'float32', 'bf16-mixed'"):
-        pa.MixedPrecision("bf16-true", framework="mxnet")
+
+
+TRUE_POLICY_REASONS = {
+    "bfloat16": r"cannot update bfloat16 parameters: its optimizer kernels .* 'Unknown type enum 12'",
+    "bf16-true": r"cannot update bfloat16 parameters",
+    "float16": r"float16 parameters need float16 FullyConnected, which exists only in the cuDNN",
+}
+
+
+@pytest.mark.parametrize("policy", list(TRUE_POLICY_REASONS))
+def test_true_policies_are_refused_with_the_reason(policy):
+    """'*-true' means 16-bit parameters, which MXNet 1.9 cannot train here."""
+    with pytest.raises(UnsupportedError, match=r"policy '(bf|fp)16-true' keeps the parameters in \w+16: .*"
+                       + TRUE_POLICY_REASONS[policy] + r".*use 'bf16-mixed'"):  # fmt: skip
+        pa.MixedPrecision(policy, framework="mxnet")
+
+
+def test_mxnet_cannot_update_bfloat16_parameters():
+    """The reason bf16-true is refused (asserted, so that a fixed MXNet would show)."""
+    bf16 = amp.amp.bfloat16
+    for optimizer, options in [("sgd", {}), ("adam", {}), ("sgd", {"multi_precision": True})]:
+        net = gluon.nn.Dense(2, in_units=2)
+        net.initialize()
+        net.cast(bf16)
+        trainer = gluon.Trainer(net.collect_params(), optimizer, {"learning_rate": 0.1, **options})
+        with autograd.record():
+            net(mx.nd.ones((4, 2)).astype(bf16)).sum().backward()
+        with pytest.raises(mx.base.MXNetError, match="Unknown type enum 12"):
+            trainer.step(4)
+            mx.nd.waitall()
 
 
 def test_a_trainer_updating_on_the_kvstore_is_refused():

@@ -304,8 +304,7 @@ class MixedPrecision:
         """Unscale and check in one pass: (finite on every rank, the ranks that were not)."""
         if not self.guard:
             return True, ()
-        checked = backend.unscale_and_check(grads, 1.0 / self.current_scale, self.process_group)
-        return checked if isinstance(checked, tuple) else (checked, ())
+        return backend.unscale_and_check(grads, 1.0 / self.current_scale, self.process_group)
 
     def _check_fresh(self, backend, grads: list) -> None:
         """PolyampError when the gradients are not new, scaled ones: no backward since the last step

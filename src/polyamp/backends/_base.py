@@ -66,11 +66,13 @@ class Backend:
         """(gradients, their parameters) that the optimizers will apply, validated."""
         raise self._unsupported("gradients")
 
-    def unscale_and_check(self, grads: list[Any], inv_scale: float, group: Any = None) -> bool:
-        """Multiply grads by ``inv_scale`` in place; True when all are finite on every rank.
+    def unscale_and_check(self, grads: list[Any], inv_scale: float, group: Any = None
+                          ) -> tuple[bool, tuple[int, ...]]:  # fmt: skip
+        """Multiply grads by ``inv_scale`` in place; (True when all are finite on every rank, the
+        ranks whose gradients were not).
 
-        One fused pass over the gradients and one host synchronisation; the finite flag is
-        all-reduced across the distributed group when one is active.
+        One fused pass over the gradients and one host synchronisation; the flag is all-reduced
+        across the distributed group when one is active.
         """
         raise self._unsupported("unscale_and_check")
 

@@ -10,19 +10,26 @@ The step: ``trainer.allreduce_grads()`` (so every device copy and worker holds t
 one ``all_finite`` flag per device and one host sync, unscale in place, clip,
 ``trainer.update(batch_size)`` or skip. contrib.amp's own loss scaler is not used: the trainer
 must not update on the kvstore, where no one could check or skip the update.
+
+contrib.amp also makes the loss-output ops (``SoftmaxOutput``, ``LinearRegressionOutput``, ...)
+multiply their gradient by one process-wide scale, read when the op runs; polyamp sets it to the
+scale of the MixedPrecision used last (see ``_LossOutputs``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import PolyampError, UnsupportedError
+from ..scaling import NoLossScale, StaticLossScale
 from ._base import Backend
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
@@ -70,6 +77,99 @@ def _live_networks() -> list[str]:
     return [block.name for block in blocks if len(block.params.keys())]
 
 
+# why each "*-true" policy is refused (checked in tests/test_mxnet.py)
+_NO_16BIT_PARAMETERS = {
+    "bfloat16": "MXNet 1.9 cannot update bfloat16 parameters: its optimizer kernels (gluon.Trainer "
+    "with sgd or adam, also with multi_precision=True) fail with 'Unknown type enum 12'",
+    "float16": "float16 parameters need float16 FullyConnected, which exists only in the cuDNN (GPU) "
+    "build, and polyamp's MXNet backend keeps float32 parameters (contrib.amp casts the operators)",
+}
+
+
+class _LossOutputs:
+    """Make contrib.amp's loss-output ops multiply their gradient by polyamp's scale.
+
+    These ops (``SoftmaxOutput``, ``LinearRegressionOutput``, ``LogisticRegressionOutput``,
+    ``MAERegressionOutput``) ignore the gradient arriving at their output, so scaling the loss
+    cannot reach them. ``amp.init`` wraps each ``mx.nd`` one to multiply ``grad_scale`` by
+    ``amp.amp._loss_scaler.loss_scale`` when it runs (2^16 unless changed). polyamp wraps them
+    again: before each call it sets that scaler to the current scale of the MixedPrecision used
+    last (created, given a trainer, or scaling a loss; 1 without loss scaling) and records the
+    scale, so ``mp.scale_loss`` can refuse a forward pass that ran under another scale; ``mp.step``
+    then unscales those gradients once, with the rest. In ``mx.sym`` (hybridized blocks) the op's
+    ``grad_scale`` is fixed in the cached graph and contrib.amp does not scale it: allowed only
+    while the scale is 1 and cannot change.
+    """
+
+    def __init__(self):
+        self._active = None  # weakref to the MixedPrecision whose scale the ops use
+        self.used: set[float] = set()  # scales the ops ran with since the last scale_loss
+
+    def install(self, target_dtype: str) -> None:
+        # contrib.amp hands this scaler to the first trainer given to amp.init_trainer, whose
+        # own updates would then move it: that trainer gets a LossScaler of its own instead
+        amp.amp._amp_loss_scale_initialized = True
+        dtype = amp.amp.bfloat16 if target_dtype == "bfloat16" else target_dtype
+        for name in amp.list_loss_output_functions(dtype):
+            for module, wrap in ((mx.nd, self._imperative), (mx.sym, self._symbolic)):
+                op = getattr(module, name, None)
+                if op is not None:
+                    setattr(module, name, functools.wraps(op)(wrap(op)))
+
+    def activate(self, mp) -> None:
+        self._active = weakref.ref(mp)
+
+    def _mp(self):
+        return self._active() if self._active is not None else None
+
+    def _imperative(self, op):
+        def run(*args, **kwargs):
+            mp = self._mp()
+            scale = 1.0 if mp is None else mp.current_scale
+            amp.amp._loss_scaler._loss_scale = scale  # what contrib.amp's wrapper multiplies grad_scale by
+            if autograd.is_recording():
+                self.used.add(scale)
+            return op(*args, **kwargs)
+
+        return run
+
+    def _symbolic(self, op):
+        def build(*args, **kwargs):
+            mp = self._mp()
+            if mp is not None and not (
+                isinstance(mp.loss_scale, (NoLossScale, StaticLossScale)) and mp.current_scale == 1.0
+            ):
+                raise UnsupportedError(
+                    f"{op.__name__} in a hybridized block (or a Symbol) cannot follow the loss scale "
+                    f"(now scale {mp.current_scale:g}, {type(mp.loss_scale).__name__}): MXNet fixes its "
+                    "grad_scale in the cached graph and contrib.amp does not scale it there. Call "
+                    "it in a block that is not hybridized, compute the loss with gluon.loss (e.g. "
+                    "SoftmaxCrossEntropyLoss, L2Loss), or train without loss scaling (loss_scale='none', "
+                    "the default of bf16-mixed)"
+                )
+            self.used.add(1.0)
+            return op(*args, **kwargs)
+
+        return build
+
+    def check(self, mp) -> None:
+        """Make ``mp`` the one the ops follow; refuse if they ran with another scale since the last call."""
+        other = sorted(self.used - {mp.current_scale})
+        self.used.clear()
+        self.activate(mp)
+        if other:
+            raise PolyampError(
+                "a loss-output op (SoftmaxOutput, LinearRegressionOutput, ...) in this forward pass "
+                f"multiplied its gradient by {', '.join(f'{s:g}' for s in other)} (the scale of the "
+                "MixedPrecision used last: MXNet reads one process-wide scale when the op runs), but "
+                f"this MixedPrecision scales by {mp.current_scale:g}; drive every trainer of the "
+                "process with one MixedPrecision (mp.step([trainer1, trainer2]) steps them together)"
+            )
+
+
+LOSS_OUTPUTS = _LossOutputs()
+
+
 def setup_amp(policy, device: str | None) -> None:
     """Initialise contrib.amp for the policy's compute dtype, once per process, before any network.
 
@@ -77,6 +177,12 @@ def setup_amp(policy, device: str | None) -> None:
     """
     global _amp_dtype
     compute = policy.compute_dtype
+    if policy.param_dtype in _NO_16BIT_PARAMETERS:
+        raise UnsupportedError(
+            f"policy {policy.name!r} keeps the parameters in {policy.param_dtype}: "
+            f"{_NO_16BIT_PARAMETERS[policy.param_dtype]}; use 'bf16-mixed' (float32 parameters, bfloat16 "
+            "compute through contrib.amp), or 'fp16-mixed' on a GPU"
+        )
     if (policy.param_dtype, policy.output_dtype) != ("float32", "float32") or compute == "float64":
         raise UnsupportedError(
             f"the mxnet backend runs float32 parameters with float32 or mixed compute (contrib.amp); got "
@@ -118,6 +224,7 @@ def setup_amp(policy, device: str | None) -> None:
         )
     amp.init(target_dtype=compute)
     _amp_dtype = compute
+    LOSS_OUTPUTS.install(compute)
 
 
 class MXNetBackend(Backend):
@@ -133,6 +240,7 @@ class MXNetBackend(Backend):
     # -- policy ------------------------------------------------------------------------------------
     def attach(self, mp) -> None:
         setup_amp(mp.policy, mp.device)
+        LOSS_OUTPUTS.activate(mp)
 
     def autocast(self, policy, device: str | None):
         """MXNet's AMP is on for the whole process once set up: this only checks that it is."""
@@ -170,6 +278,7 @@ class MXNetBackend(Backend):
         _check_accumulation(trainer)
         mp._names.update({id(p): p.name for p in trainer._params})
         trainer._polyamp = True
+        LOSS_OUTPUTS.activate(mp)
         return trainer
 
     def scale_loss_context(self, mp, loss, trainer):
@@ -186,17 +295,19 @@ class MXNetBackend(Backend):
             raise PolyampError(
                 "mp.scale_loss(loss, trainer) must run inside autograd.record(), where the loss was computed"
             )
+        LOSS_OUTPUTS.check(mp)
         scale = mp.current_scale
         scaled = [item if scale == 1.0 else item * scale for item in losses]
         return contextlib.nullcontext(scaled if isinstance(loss, (list, tuple)) else scaled[0])
 
     # -- the step ----------------------------------------------------------------------------------
     def gradients(self, optimizers: Sequence[Any]):
+        """The trainers' gradients, all-reduced over devices and workers (once per step: a second
+        all-reduce of the same gradients would multiply them by the number of devices)."""
         grads, params, fresh = [], [], False
         for trainer in optimizers:
             _check_trainer(trainer)
             _check_accumulation(trainer)
-            trainer.allreduce_grads()
             for p in trainer._params:
                 if p.grad_req == "null":
                     continue
@@ -209,9 +320,11 @@ class MXNetBackend(Backend):
                 "no parameter has a new gradient: backpropagate the scaled loss inside "
                 "`with mp.scale_loss(loss, trainer) as scaled: autograd.backward(scaled)` before mp.step"
             )
+        for trainer in optimizers:
+            trainer.allreduce_grads()
         return grads, params
 
-    def unscale_and_check(self, grads, inv_scale: float, group=None) -> bool:
+    def unscale_and_check(self, grads, inv_scale: float, group=None) -> tuple[bool, tuple[int, ...]]:
         """``all_finite`` on each scaled gradient into one flag per device, then an in-place
         multiply by ``inv_scale``; one host sync. Workers agree because the check runs after the
         trainer's all-reduce. (contrib.amp's ``multi_all_finite`` is ~30x slower on CPU.)"""
@@ -228,7 +341,7 @@ class MXNetBackend(Backend):
         if inv_scale != 1.0:
             for g in grads:
                 g *= inv_scale
-        return all(bool(flag.asscalar()) for flag in flags)
+        return all(bool(flag.asscalar()) for flag in flags), ()  # workers agree: see the docstring
 
     def clip(self, grads, params, max_norm: float) -> float:
         norms = [
