@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from frameworks import require
 
 WORKER = textwrap.dedent(
@@ -66,11 +67,12 @@ WORKER = textwrap.dedent(
             summed = tf.distribute.get_replica_context().all_reduce("SUM", grads)
             expected_norm = tf.linalg.global_norm(summed) / mp.scale(tf.constant(1.0))
             result = mp.apply(opt, grads, model.trainable_variables, clip_grad_norm=1e6)
+            traced_ranks.append(result.nonfinite_ranks)  # static: empty inside tf.function
             # tf.identity: each replica's own copy of what it saw (not one shared tensor)
             return [tf.identity(t) for t in (result.stepped, result.scale, result.grad_norm, expected_norm)]
         return strategy.run(replica_step, args=(x,))
 
-    steps = []
+    steps, traced_ranks = [], []
     for i in range(14):
         x = strategy.experimental_distribute_values_from_function(
             lambda ctx, i=i: data[i][ctx.replica_id_in_sync_group * 8:(ctx.replica_id_in_sync_group + 1) * 8])
@@ -80,7 +82,7 @@ WORKER = textwrap.dedent(
     out["custom"] = {"steps": steps, "state": mp.state.as_dict(),
                      "replicas_equal": all(np.array_equal(a, b) for a, b in c),
                      "finite": all(np.isfinite(a).all() for a, _ in c),
-                     "iterations": int(opt.iterations.numpy())}
+                     "iterations": int(opt.iterations.numpy()), "traced_ranks": traced_ranks}
 
     # 2. the same overflow with Keras's own LossScaleOptimizer
     fp16 = pa.MixedPrecision("fp16-mixed", framework="tensorflow")  # builds the same mixed_float16 model
@@ -132,20 +134,50 @@ WORKER = textwrap.dedent(
         out["unbuilt"] = "no error"
     except pa.PolyampError as err:
         out["unbuilt"] = str(err)
+
+    # 5. eagerly, each replica's own StepResult: which replicas overflowed, and what
+    mp3 = pa.MixedPrecision("fp16-mixed", framework="tensorflow")
+    model3, opt3 = build(mp3, lambda: keras.optimizers.SGD(0.01))
+    mp3.watch(model3)
+    out["eager"] = []
+    for bad in ([1], [0, 1], []):
+        seen = {}
+
+        def eager_step(x, bad=bad):
+            ctx = tf.distribute.get_replica_context()
+            replica = int(ctx.replica_id_in_sync_group)
+            with tf.GradientTape() as tape:
+                scaled = mp3.scale(loss_of(model3, x))
+            grads = tape.gradient(scaled, model3.trainable_variables)
+            if replica in bad:
+                grads[0] = grads[0] + float("inf")
+            r = mp3.apply(opt3, grads, model3.trainable_variables)
+            seen[replica] = [bool(r.stepped), list(r.nonfinite), r.origin, list(r.nonfinite_ranks)]
+
+        strategy.run(eager_step, args=(x,))
+        out["eager"].append([seen[0], seen[1]])
+    out["kernel"] = model3.trainable_variables[0].path
     json.dump(out, open(sys.argv[1], "w"))
     """
 )
 
 
-def test_mirrored_strategy_replicas_agree_on_skipping(tmp_path):
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    """What the worker saw, run once for this module's tests."""
     require("tensorflow")
-    script, out = tmp_path / "worker.py", tmp_path / "out.json"
+    folder = tmp_path_factory.mktemp("mirrored")
+    script, out = folder / "worker.py", folder / "out.json"
     script.write_text(WORKER)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
     proc = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_mirrored_strategy_replicas_agree_on_skipping(worker):
+    result = worker
 
     custom = result["custom"]
     skipped = [i for i, s in enumerate(custom["steps"]) if not all(s["stepped"])]
@@ -165,3 +197,16 @@ def test_mirrored_strategy_replicas_agree_on_skipping(tmp_path):
     assert fit["state"]["skipped"] == 2 and fit["state"]["steps"] == 6 and fit["iterations"] == 4
     assert fit["replicas_equal"] and fit["finite"]
     assert "build the SGD before the first tf.function step" in result["unbuilt"]
+
+
+def test_each_replica_learns_which_replicas_overflowed(worker):
+    """Eagerly, a replica whose own gradients were finite still learns why the step was skipped:
+    ``nonfinite_ranks`` and an ``origin`` naming the other replica and its variable; inside
+    tf.function ``nonfinite_ranks`` stays empty (documented)."""
+    result = worker
+    kernel = result["kernel"]
+    one, both, none = result["eager"]
+    assert one == [[False, [], f"the gradients of replica 1 ({kernel})", [1]], [False, [kernel], None, [1]]]
+    assert both == [[False, [kernel], None, [0, 1]], [False, [kernel], None, [0, 1]]]
+    assert none == [[True, [], None, []], [True, [], None, []]]
+    assert all(ranks == [] for ranks in result["custom"]["traced_ranks"])

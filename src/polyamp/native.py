@@ -126,6 +126,9 @@ def _native_object(obj: Any) -> str | None:
     if torch is not None and isinstance(obj, getattr(torch.amp, "GradScaler", ())):
         return "torch"
     if keras is not None and isinstance(obj, keras.optimizers.LossScaleOptimizer):
+        if hasattr(obj, "mixed_precision"):  # polyamp's own optimizer, not a native scaler
+            raise PolyampError("this is polyamp's own optimizer (mp.optimizer(...)): its loss-scale state "
+                               "is optimizer.mixed_precision.state_dict()")  # fmt: skip
         return "keras"
     if jmp is not None and isinstance(obj, (jmp.StaticLossScale, jmp.NoOpLossScale)):
         raise PolyampError(f"a {type(obj).__name__} has no dynamic state to migrate; polyamp's equivalent "

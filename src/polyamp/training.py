@@ -350,6 +350,11 @@ class MixedPrecision:
         """A Keras optimizer for ``compile``/``fit`` that scales, checks and skips as polyamp does."""
         return self._bind(optimizer, "optimizer").wrap_optimizer(self, optimizer)
 
+    def callback(self):
+        """A Keras ``fit`` callback that adds ``loss_scale`` and ``skipped_steps`` to the logs
+        (so to ``History`` and TensorBoard): ``model.fit(..., callbacks=[mp.callback()])``."""
+        return self._use("tensorflow").callback(self)
+
     def scale(self, loss: Any):
         """``loss * scale`` for a custom ``GradientTape`` loop (usable inside ``tf.function``)."""
         return self._bind(loss, "loss").scale(self, loss)

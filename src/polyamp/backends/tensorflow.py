@@ -12,10 +12,21 @@
   agree across replicas, then in a cross-replica ``merge_call``: clip by the global norm of the
   summed gradients (optional), apply or skip (``tf.cond``), update the scale with
   ``update_arrays`` (graph ops) and guard against endless skipping.
-- Eagerly the ``StepResult`` holds Python values and names the non-finite gradients, and the
-  "scale fell below 1" warning is given; inside ``tf.function`` it holds tensors (a tf.function may
-  return it), ``nonfinite`` is empty, no warning is given, and the skip guard is a graph assertion
+- Variables with Keras's ``overwrite_with_gradient`` take their "gradient" as their new value, as
+  Keras's ``LossScaleOptimizer`` passes it: it is checked for inf/NaN but neither unscaled nor
+  clipped nor counted in the norm. An inner optimizer's ``loss_scale_factor`` is cleared (as
+  ``LossScaleOptimizer`` does), so the update is not divided a second time.
+- Eagerly the ``StepResult`` holds Python values and names this replica's non-finite gradients and
+  the replicas whose gradients were not finite, and the "scale fell below 1" warning is given;
+  inside ``tf.function`` it holds tensors (a tf.function may return it), ``nonfinite`` and
+  ``nonfinite_ranks`` are empty, no warning is given, and the skip guard is a graph assertion
   (dropped by XLA) whose error names polyamp's ``NonFiniteError``.
+- A model that computes in float32 under a 16-bit policy (built outside ``mp.scope()``) gets one
+  warning per ``MixedPrecision``: seen in ``mp.watch(model)`` from its layers' dtype policies, or
+  when the step is traced from the loss's graph, which then holds no op in the compute dtype.
+- ``PolyampOptimizer`` (``mp.optimizer``) is a registered Keras serializable: its config holds the
+  policy, the loss-scale config and state, so a ``.keras`` model reloads and trains on with the
+  same scale. ``LossScaleLogger`` puts the scale and the skipped steps into ``fit``'s logs.
 - Under a distribution strategy, build the optimizer before the first ``tf.function`` step
   (TensorFlow cannot initialise mirrored variables created inside it; polyamp says so).
 """
@@ -27,7 +38,9 @@ import functools
 import inspect
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import keras
@@ -36,7 +49,14 @@ import tensorflow as tf
 
 from ..errors import PolyampError
 from ..policy import Policy
-from ..scaling import _BELOW_ONE, COUNTERS, LossScaleState, NoLossScale, state_arrays, state_from_arrays
+from ..scaling import (
+    _BELOW_ONE,
+    COUNTERS,
+    LossScaleState,
+    NoLossScale,
+    state_arrays,
+    state_from_arrays,
+)
 from ..training import StepResult, check_clip_norm
 from ._base import Backend
 
@@ -141,6 +161,50 @@ def _attach(optimizer, store: LossScaleVariables) -> None:
         )
 
 
+# -- a model left in float32 under a 16-bit policy -----------------------------------------------
+_LOW = (_F16, _BF16)
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # the MixedPrecisions already checked (once per run)
+_NESTED_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
+_FLOAT32_MODEL = (
+    "polyamp: the policy {policy!r} computes in {compute}, but {seen}: the model was built outside "
+    "`mp.scope()`, so its layers compute in float32 and this run pays for mixed precision (loss "
+    "scaling, casts) without any {compute} compute. Build the model inside `with mp.scope():`."
+)
+
+
+def _warn_float32_model(policy: Policy, seen: str) -> None:
+    warnings.warn(_FLOAT32_MODEL.format(policy=policy.name, compute=policy.compute_dtype, seen=seen),
+                  UserWarning, stacklevel=5)  # fmt: skip
+
+
+def _check_model_layers(model, policy: Policy) -> None:
+    """Warn when no layer of ``model`` that holds weights computes in the policy's 16-bit compute
+    dtype (``mp.watch``)."""
+    if policy.compute_dtype not in _LOW or not isinstance(model, keras.layers.Layer):
+        return
+    layers, todo = [], [model]
+    while todo:
+        layer = todo.pop()
+        layers.append(layer)
+        todo.extend(getattr(layer, "layers", ()))
+    weighted = [layer for layer in layers if layer.weights and not getattr(layer, "layers", ())]
+    if weighted and all(layer.compute_dtype not in _LOW for layer in weighted):
+        _warn_float32_model(policy, f"every layer of {model.name!r} computes in float32")
+
+
+def _check_traced_loss(mp, loss) -> None:
+    """Once per run, when the step is traced: warn when no op of the loss's graph has an output in
+    the policy's 16-bit compute dtype (a model run inside a nested function is not looked into)."""
+    compute = mp.policy.compute_dtype
+    if compute not in _LOW or mp in _CHECKED or tf.executing_eagerly() or not hasattr(loss, "graph"):
+        return
+    _CHECKED.add(mp)
+    wanted = tf.as_dtype(compute)
+    ops = loss.graph.get_operations()
+    if not any(op.type in _NESTED_CALLS or any(t.dtype == wanted for t in op.outputs) for op in ops):
+        _warn_float32_model(mp.policy, f"no op of the traced step computes in {compute}")
+
+
 # -- probability layers in float32 inside mp.scope() ---------------------------------------------
 _scope = threading.local()  # Keras keeps its dtype policy per thread; so does this flag
 
@@ -209,6 +273,7 @@ class TensorFlowBackend(Backend):
             )
         if loss.shape.num_elements() not in (1, None):
             raise PolyampError(f"loss must be a scalar, got a tensor of shape {loss.shape}")
+        _check_traced_loss(mp, loss)
         if isinstance(mp.loss_scale, NoLossScale):
             return loss
         if loss.dtype in (tf.float16, tf.bfloat16):
@@ -222,9 +287,21 @@ class TensorFlowBackend(Backend):
         grads, variables = _check_pairs(grads, variables)
         check_clip_norm(clip_grad_norm)
         _attach(optimizer, _store(mp))
+        # mp.scale did the scaling: an inner factor would divide the update again (cleared as
+        # LossScaleOptimizer clears it)
+        optimizer.loss_scale_factor = None
         return _step(mp, optimizer, grads, variables, clip_grad_norm)
 
+    def callback(self, mp=None):
+        """A ``fit`` callback that logs the loss scale and the skipped steps (``LossScaleLogger``)."""
+        return LossScaleLogger(mp)
+
     # -- names ---------------------------------------------------------------------------------------
+    def prepare_model(self, model, policy):
+        """The model, unchanged; a warning when it computes in float32 under a 16-bit policy."""
+        _check_model_layers(model, policy)
+        return model
+
     def parameter_names(self, model) -> dict[int, str]:
         if not isinstance(model, (keras.layers.Layer, tf.Module)):
             raise PolyampError(f"expected a Keras model or layer, got {type(model).__name__}")
@@ -233,7 +310,11 @@ class TensorFlowBackend(Backend):
 
 # -- the step --------------------------------------------------------------------------------------
 def _step(mp, optimizer, grads: list, variables: list, clip: float | None):
-    """Unscale and check per replica, then decide, apply or skip and update once (merge_call)."""
+    """Unscale and check per replica, then decide, apply or skip and update once (merge_call).
+
+    A variable with ``overwrite_with_gradient`` takes its gradient as its new value: that value is
+    checked but neither unscaled nor clipped, as Keras's LossScaleOptimizer does.
+    """
     store = _store(mp)
     if not optimizer.built:  # its variables must not be created inside tf.cond
         if tf.distribute.has_strategy() and not tf.executing_eagerly():
@@ -249,29 +330,41 @@ def _step(mp, optimizer, grads: list, variables: list, clip: float | None):
             "mp.apply ran in a cross-replica context; call it inside strategy.run(...), where "
             "each replica has its own gradients"
         )
+    overwrite = [getattr(v, "overwrite_with_gradient", False) for v in variables]
     unscaled = grads
     if not isinstance(mp.loss_scale, NoLossScale):
         scale = store.scale.read_value()
-        unscaled = [_map(g, lambda v: v / tf.cast(scale, v.dtype)) for g in grads]
+        unscaled = [g if keep else _map(g, lambda v: v / tf.cast(scale, v.dtype))
+                    for g, keep in zip(grads, overwrite)]  # fmt: skip
     bad = tf.cast(~_all_finite(unscaled), tf.float32) if mp.guard else None
-    merged = functools.partial(_merged_step, mp=mp, optimizer=optimizer, variables=variables, clip=clip)
-    return context.merge_call(merged, args=(unscaled, bad))
+    merged = functools.partial(_merged_step, mp=mp, optimizer=optimizer, variables=variables,
+                               overwrite=overwrite, clip=clip)  # fmt: skip
+    result, names = context.merge_call(merged, args=(unscaled, bad))
+    if not names:  # stepped, or inside tf.function
+        return result
+    mine = names[int(tf.get_static_value(context.replica_id_in_sync_group))]
+    if mine or not result.nonfinite_ranks:
+        return replace(result, nonfinite=mine)
+    return replace(result, origin=_other_replicas(result.nonfinite_ranks, names))
 
 
-def _merged_step(strategy, unscaled, bad, *, mp, optimizer, variables, clip):
-    """Cross-replica part of the step; the result reaches every replica."""
+def _merged_step(strategy, unscaled, bad, *, mp, optimizer, variables, overwrite, clip):
+    """Cross-replica part of the step: ``(StepResult, names)``, where eagerly after a skip
+    ``names[r]`` holds the variables whose gradients were not finite on replica ``r``."""
     eager = tf.executing_eagerly()
     finite = True if bad is None else tf.equal(strategy.reduce("SUM", bad, axis=None), 0.0)
     norm = None
     coef = None
     if clip is not None:
-        summed = [strategy.reduce("SUM", g, axis=None) for g in unscaled if g is not None]
+        summed = [strategy.reduce("SUM", g, axis=None) for g, keep in zip(unscaled, overwrite)
+                  if g is not None and not keep]  # fmt: skip
         norm = tf.linalg.global_norm(summed)
         coef = tf.minimum(1.0, clip / (norm + 1e-6))
 
     def apply_local(grads):
         if coef is not None:
-            grads = [_map(g, lambda v: v * tf.cast(coef, v.dtype)) for g in grads]
+            grads = [g if keep else _map(g, lambda v: v * tf.cast(coef, v.dtype))
+                     for g, keep in zip(grads, overwrite)]  # fmt: skip
         optimizer.apply(grads, variables)
 
     def apply():
@@ -290,15 +383,27 @@ def _merged_step(strategy, unscaled, bad, *, mp, optimizer, variables, clip):
     if not eager:
         if limit is not None:
             tf.debugging.Assert(new["skipped_in_a_row"] < limit, [_GUARD.format(limit=limit), new["scale"]])
-        return StepResult(tf.convert_to_tensor(finite), new["scale"], norm)
+        return StepResult(tf.convert_to_tensor(finite), new["scale"], norm), ()
     state = state_from_arrays({name: value.numpy() for name, value in new.items()})
     if state.scale < 1 <= float(old["scale"]):
         warnings.warn(_BELOW_ONE, RuntimeWarning, stacklevel=2)
-    names = () if stepped else _nonfinite_names(mp, unscaled, variables, strategy)
-    origin = names[0] if names else None
-    mp.loss_scale.check(state, where=origin)
+    names: tuple = ()
+    ranks: tuple[int, ...] = ()
+    if not stepped:
+        flags = [float(flag) for flag in strategy.experimental_local_results(bad)]
+        names = tuple(_nonfinite_names(mp, unscaled, variables, strategy, replica) if flag else ()
+                      for replica, flag in enumerate(flags))  # fmt: skip
+        ranks = tuple(replica for replica, flag in enumerate(flags) if flag) if len(flags) > 1 else ()
+    every = tuple(dict.fromkeys(name for local in names for name in local))
+    mp.loss_scale.check(state, nonfinite=every)
     grad_norm = float(norm) if norm is not None and stepped else None
-    return StepResult(stepped, state.scale, grad_norm, names, origin)
+    return StepResult(stepped, state.scale, grad_norm, nonfinite_ranks=ranks), names
+
+
+def _other_replicas(ranks: tuple[int, ...], names: tuple) -> str:
+    """``origin`` on a replica whose own gradients were finite: which replicas' were not."""
+    which = ", ".join(f"{r} ({', '.join(names[r])})" if names[r] else str(r) for r in ranks)
+    return f"the gradients of replica{'s' if len(ranks) > 1 else ''} {which}"
 
 
 _GUARD = (
@@ -337,12 +442,12 @@ def _all_finite(grads) -> tf.Tensor:
     return tf.cond(quick, lambda: tf.constant(True), exact)
 
 
-def _nonfinite_names(mp, unscaled, variables, strategy) -> tuple[str, ...]:
-    """Eagerly: the variables whose gradient held inf/NaN on any replica."""
+def _nonfinite_names(mp, unscaled, variables, strategy, replica: int) -> tuple[str, ...]:
+    """Eagerly: the variables whose gradient held inf/NaN on ``replica``."""
     names = []
     for g, v in zip(unscaled, variables):
-        local = () if g is None else strategy.experimental_local_results(g)
-        if any(not bool(tf.reduce_all(tf.math.is_finite(_values(x)))) for x in local):
+        local = None if g is None else strategy.experimental_local_results(g)[replica]
+        if local is not None and not bool(tf.reduce_all(tf.math.is_finite(_values(local)))):
             names.append(mp._names.get(id(v), _variable_name(v)))
     return tuple(names)
 
@@ -395,41 +500,7 @@ def _check_pairs(grads, variables) -> tuple[list, list]:
     return grads, variables
 
 
-# -- the optimizer for compile/fit -------------------------------------------------------------------
-class PolyampOptimizer(keras.optimizers.LossScaleOptimizer):
-    """A Keras optimizer for ``compile``/``fit`` that scales, checks and skips as polyamp does.
-
-    ``fit`` multiplies the loss by ``scale_loss`` (polyamp's scale) and hands the gradients to
-    ``apply``, which runs polyamp's step on the inner optimizer. It subclasses Keras's
-    ``LossScaleOptimizer`` only so that ``compile`` does not wrap it a second time under a
-    ``mixed_float16`` policy; none of that class's scaling runs.
-    """
-
-    def __init__(self, mp, inner_optimizer, name=None):
-        super().__init__(inner_optimizer, initial_scale=float(mp.current_scale), name=name)
-        self._mp = mp
-        self._polyamp_loss_scale = _store(mp)
-
-    def build(self, var_list):
-        self.inner_optimizer.build(var_list)
-        keras.optimizers.Optimizer.build(self, var_list)
-
-    @property
-    def dynamic_scale(self):
-        return self._polyamp_loss_scale.scale
-
-    def scale_loss(self, loss):
-        return BACKEND.scale(self._mp, loss)
-
-    def apply(self, grads, trainable_variables=None):
-        if not self.built:
-            self.build(trainable_variables)
-        variables = self._trainable_variables if trainable_variables is None else trainable_variables
-        grads, variables = _check_pairs(grads, variables)
-        _step(self._mp, self.inner_optimizer, grads, variables, None)
-
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise PolyampError("stateless_apply is JAX's path; with TensorFlow use apply()")
-
-
 BACKEND = TensorFlowBackend()
+
+# the fit path; imported here so that Keras can find PolyampOptimizer when a .keras file loads
+from .tensorflow_fit import LossScaleLogger, PolyampOptimizer  # noqa: E402
