@@ -227,7 +227,7 @@ def test_missing_or_failed_baseline_gives_no_comparisons():
 
 def test_terminal_table_marks_slow_capped_failed_and_missing_baseline():
     rows = summarize(synthetic_cases())
-    text = terminal_table(rows)
+    text = terminal_table(rows, width=190)
     assert "\x1b[" not in text
     lines = text.splitlines()
     fp16 = [i for i, line in enumerate(lines) if line.split()[:3] == ["torch", "mlp", "fp16-mixed"]]
@@ -240,16 +240,82 @@ def test_terminal_table_marks_slow_capped_failed_and_missing_baseline():
     assert "timeout:" in words and "timeout of a case" in words
     assert "no fp32" in words and "baseline" in words
     assert max(len(line) for line in text.splitlines()) <= 190
+    assert "Not shown at this terminal width" not in text  # every column fits in 190
     assert "\x1b[" in terminal_table(rows, color=True)
 
 
 def test_terminal_table_without_rich(monkeypatch):
-    for name in ("rich", "rich.box", "rich.console", "rich.table", "rich.markup"):
-        monkeypatch.setitem(sys.modules, name, None)
-    text = terminal_table(summarize(synthetic_cases()))
+    _without_rich(monkeypatch)
+    text = terminal_table(summarize(synthetic_cases()), width=200)
     lines = text.splitlines()
     assert lines[0].startswith("framework") and "speed-up vs fp32" in lines[0]
     assert "0.01x (slower)" in text and "1/30 (capped)" in text and "timeout: no result" in text
+
+
+def _without_rich(monkeypatch):
+    for name in ("rich", "rich.box", "rich.console", "rich.table", "rich.markup", "rich.text"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+@pytest.mark.parametrize("rich", [True, False], ids=["rich", "plain"])
+@pytest.mark.parametrize("width", [80, 100])
+def test_terminal_table_fits_the_terminal_width(width, rich, monkeypatch):
+    monkeypatch.setenv("COLUMNS", str(width))  # what shutil.get_terminal_size() reads first
+    if not rich:
+        _without_rich(monkeypatch)
+    rows = summarize(synthetic_cases())
+    text = terminal_table(rows)
+    assert max(len(line) for line in text.splitlines()) <= width
+    lines = text.splitlines()
+    header = " ".join(lines[:3])
+    for column in ("framework", "workload", "policy", "status", "speed-up", "parity"):
+        assert column in header, column
+    assert ("ms/step" in header) == (width == 100)
+    for row in rows:  # every case keeps its row
+        assert any(line.split()[:3] == [row["framework"], row["workload"], row["policy"]] for line in lines)
+    words = " ".join(text.split())
+    assert "failed: RuntimeError:" in words and "timeout: no result" in words
+    assert "0.01x (slower)" in words
+    left_out = words.split("Not shown at this terminal width: ", 1)[1]
+    assert left_out.startswith("steps,") and "peak MB" in left_out
+    assert left_out.endswith("(report.md has every column).")
+
+
+@pytest.mark.parametrize("rich", [True, False], ids=["rich", "plain"])
+def test_a_smoke_check_is_labelled_so_in_the_table_the_markdown_and_the_json(rich, tmp_path, monkeypatch):
+    if not rich:
+        _without_rich(monkeypatch)
+    rows = summarize(synthetic_cases())
+    table = " ".join(terminal_table(rows, width=120, smoke=True).split())
+    assert table.startswith("Smoke check (--quick):") and "they are not findings" in table
+    assert "(slower)" not in table and "0.01x" in table  # a smoke check reports no finding
+    paths = write_report(synthetic_cases(), {"quick": True}, tmp_path)
+    doc = json.loads(open(paths["json"]).read())
+    assert doc["timings"]["kind"] == "smoke check" and "not findings" in doc["timings"]["note"]
+    md = open(paths["markdown"], encoding="utf-8").read()
+    results = md.split("## Results", 1)[1]
+    assert md.startswith("# polyamp compare report (smoke check)")
+    assert results.lstrip().startswith("> **Smoke check (--quick):")
+    assert "slower than float32" not in md and "(slower)" not in md
+
+
+def test_a_measured_run_is_not_labelled_a_smoke_check(written):
+    _, paths = written
+    assert json.loads(open(paths["json"]).read())["timings"]["kind"] == "measurement"
+    assert "Smoke check" not in open(paths["markdown"], encoding="utf-8").read()
+    assert "Smoke check" not in terminal_table(summarize(synthetic_cases()), width=120)
+
+
+def test_markdown_lists_each_package_version_once(tmp_path):
+    cases = []
+    for policy in ("float32", "bf16-mixed"):
+        case = make_case("tensorflow", "mlp", policy)
+        case.update(framework_version="2.21.0", versions={"tensorflow": "2.21.0", "keras": "3.15.1"})
+        cases.append(case)
+    cases.append(make_case("torch", "mlp", "float32"))  # a record without "versions"
+    md = open(write_report(cases, {}, tmp_path)["markdown"], encoding="utf-8").read()
+    line = next(x for x in md.splitlines() if "framework versions" in x)
+    assert line.endswith(": tensorflow 2.21.0, keras 3.15.1, torch 2.13.0")
 
 
 def test_markdown_lists_settings_capped_errors_and_what_comparisons_are_against(written):

@@ -1,4 +1,4 @@
-"""``polyamp compare``: plan, run with a progress bar, report."""
+"""``polyamp compare``: plan, run with a progress bar, report; exit 1 when a case crashed."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ def _split(value: str | None) -> list[str] | None:
 
 
 def compare(args) -> int:
+    """Run the cases ``args`` name and write the report; 0, or 1 when a case failed or timed out.
+
+    An ``unsupported`` case (the framework refuses the request on this machine) is reported, not a crash.
+    """
+    runner.check_options(args.steps, args.budget, args.timeout)
     cases = runner.plan(_split(args.frameworks), _split(args.workloads), _split(args.policies))
     started = time.perf_counter()
     records = _run_with_progress(cases, args)
@@ -35,11 +40,19 @@ def compare(args) -> int:
         report = json.load(f)
     if args.json:
         print(json.dumps(report, indent=2))
+    else:
+        print(terminal_table(report["rows"], smoke=args.quick))
+        print(f"\n{len(records)} cases in {settings['total_s']:.0f} s. Report: {paths['markdown']}")
+        print("Plots: " + ", ".join(str(p) for p in paths["plots"]))
+    crashed = [r for r in records if r.get("status") in runner.CRASHED]
+    if not crashed:
         return 0
-    print(terminal_table(report["rows"]))
-    print(f"\n{len(records)} cases in {settings['total_s']:.0f} s. Report: {paths['markdown']}")
-    print("Plots: " + ", ".join(str(p) for p in paths["plots"]))
-    return 0
+    print(f"polyamp compare: {len(crashed)} of {len(records)} cases crashed:", file=sys.stderr)
+    for r in crashed:
+        error = " ".join(str(r.get("error")).split())
+        error = error if len(error) <= 300 else error[:299] + "…"  # report.md has the whole text
+        print(f"  {r['framework']} {r['workload']} {r['policy']}: {r['status']}: {error}", file=sys.stderr)
+    return 1
 
 
 def _run_with_progress(cases, args):

@@ -136,5 +136,5 @@ class Trainer:
         return float(np.mean([float(self._loss(self.params, x, y)) for x, y in batches]))
 
 
-def version() -> str:
-    return jax.__version__
+def versions() -> dict[str, str]:
+    return {"jax": jax.__version__, "optax": optax.__version__}

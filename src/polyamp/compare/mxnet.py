@@ -172,5 +172,5 @@ class Trainer:
         return float(np.mean([float(self._loss(x, y).asscalar()) for x, y in batches]))
 
 
-def version() -> str:
-    return mx.__version__
+def versions() -> dict[str, str]:
+    return {"mxnet": mx.__version__}

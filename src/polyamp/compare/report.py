@@ -22,6 +22,7 @@ _EPS = 1e-9  # so that a difference exactly at the tolerance counts as within it
 ROW_KEYS = (
     "framework",
     "framework_version",
+    "versions",
     "workload",
     "policy",
     "seed",
@@ -138,6 +139,7 @@ def summarize(
         row = {
             "framework": case.get("framework"),
             "framework_version": case.get("framework_version"),
+            "versions": case.get("versions"),
             "workload": case.get("workload"),
             "policy": case.get("policy"),
             "seed": case.get("seed"),
@@ -226,6 +228,12 @@ def summarize(
 
 # --------------------------------------------------------------------------------------------- formatting
 
+SMOKE_NOTE = (
+    "Smoke check (--quick): tiny models and a few steps, each framework's cases sharing one process. "
+    "Its timings, speed-ups and memory only show that every case runs; they are not findings. "
+    "Run without --quick to measure."
+)
+
 
 def _num(v: float) -> str:
     return f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.2g}"
@@ -235,7 +243,7 @@ def _is_slower(v: float | None) -> bool:
     return v is not None and v < 1 and _num(v) != "1.00"
 
 
-def _fmt_speedup(row: dict) -> str:
+def _fmt_speedup(row: dict, smoke: bool = False) -> str:
     v = row.get("speedup")
     if row.get("is_baseline") and v is not None:
         return "baseline"
@@ -243,7 +251,7 @@ def _fmt_speedup(row: dict) -> str:
         if row.get("status") == "ok" and row.get("baseline") is None:
             return "no fp32 baseline"
         return "n/a"
-    return f"{_num(v)}x (slower)" if _is_slower(v) else f"{_num(v)}x"
+    return f"{_num(v)}x (slower)" if _is_slower(v) and not smoke else f"{_num(v)}x"
 
 
 def _fmt_steps(row: dict) -> str:
@@ -329,26 +337,45 @@ COLUMNS = (
     "final scale",
     "status / error",
 )
+STATUS = "status / error"
+SPEEDUP = "speed-up vs fp32"
 
 
-def _cells(row: dict, status_width: int | None = 48, short: bool = False) -> list[str]:
-    return [
-        str(row.get("framework")),
-        str(row.get("workload")),
-        str(row.get("policy")),
-        _fmt_steps(row),
-        _fmt_ms(row),
-        _fmt_speedup(row),
-        _fmt_float(row.get("peak_rss_mb"), ".0f"),
-        _fmt_float(row.get("final_loss")),
-        _fmt_loss_delta(row),
-        _fmt_eval(row, short),
-        _fmt_eval_delta(row),
-        row.get("parity") or "n/a",
-        _fmt_float(row.get("skipped_steps"), "d") if isinstance(row.get("skipped_steps"), int) else "-",
-        _fmt_float(row.get("final_scale"), "g"),
-        _fmt_status(row, status_width),
-    ]
+def _cells(row: dict, status_width: int | None = 48, short: bool = False, smoke: bool = False) -> dict:
+    """The row's text in each of COLUMNS."""
+    skipped = row.get("skipped_steps")
+    return {
+        "framework": str(row.get("framework")),
+        "workload": str(row.get("workload")),
+        "policy": str(row.get("policy")),
+        "steps": _fmt_steps(row),
+        "ms/step": _fmt_ms(row),
+        SPEEDUP: _fmt_speedup(row, smoke),
+        "peak MB": _fmt_float(row.get("peak_rss_mb"), ".0f"),
+        "final loss": _fmt_float(row.get("final_loss")),
+        "Δloss vs fp32": _fmt_loss_delta(row),
+        "eval": _fmt_eval(row, short),
+        "Δeval": _fmt_eval_delta(row),
+        "parity": row.get("parity") or "n/a",
+        "skipped": _fmt_float(skipped, "d") if isinstance(skipped, int) else "-",
+        "final scale": _fmt_float(row.get("final_scale"), "g"),
+        STATUS: _fmt_status(row, status_width),
+    }
+
+
+def _flagged(row: dict, smoke: bool = False) -> dict:
+    """The cells a reader must not miss, by column, with their terminal style: a capped run, a slower
+    speed-up (not in a smoke check), a parity outside tolerance, a case that did not run."""
+    flags = {}
+    if row.get("capped"):
+        flags["steps"] = "bold yellow"
+    if _is_slower(row.get("speedup")) and not smoke:
+        flags[SPEEDUP] = "bold red"
+    if row.get("parity") == "worse":
+        flags["parity"] = "bold red"
+    if row.get("status") != "ok":
+        flags[STATUS] = "bold red"
+    return flags
 
 
 def _display_order(rows: list[dict]) -> list[dict]:
@@ -382,98 +409,150 @@ def _caption(rows: list[dict]) -> str:
     )
 
 
-_MAX_WIDTH = {"steps": 13, "speed-up vs fp32": 15, "Δloss vs fp32": 17, "eval": 20, "Δeval": 18}
-_NO_WRAP = (
+# A narrow terminal keeps the columns that come first here; report.md always has them all.
+_PRIORITY = (
     "framework",
     "workload",
     "policy",
-    "ms/step",
-    "peak MB",
-    "final loss",
+    STATUS,
+    SPEEDUP,
     "parity",
+    "ms/step",
     "skipped",
+    "steps",
+    "Δloss vs fp32",
     "final scale",
+    "eval",
+    "Δeval",
+    "final loss",
+    "peak MB",
 )
+_ALWAYS = 4  # framework, workload, policy, status: a row means nothing without them
+_MAX_WIDTH = {"steps": 13, SPEEDUP: 15, "Δloss vs fp32": 17, "eval": 20, "Δeval": 18}
+_MIN_STATUS = 16  # the status column wraps; it needs this much to stay readable
+_GAP = 2  # characters between two columns
+_RIGHT = ("ms/step", "peak MB", "final loss", "skipped", "final scale")
 
 
-def _plain_table(rows: list[dict]) -> str:
-    body = [_cells(r) for r in _display_order(rows)]
-    widths = [max(len(c) for c in col) for col in zip(COLUMNS, *body)]
-
-    def line(cells):
-        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
-
-    out = [line(COLUMNS), "  ".join("-" * w for w in widths)] + [line(b) for b in body]
-    return "\n".join(out) + "\n" + _caption(rows) + "\n"
+def _header(name: str) -> str:
+    return name.replace(" vs ", "\nvs ").replace("final ", "final\n").replace("peak ", "peak\n")
 
 
-def terminal_table(rows: list[dict], color: bool = False) -> str:
-    """The rows as a text table (rich if importable, else plain text), 190 columns wide.
+def _fit_columns(cells: list[dict], width: int, wrap: bool = True) -> list[str]:
+    """The columns to show in ``width`` characters, in COLUMNS order.
 
-    Slower-than-float32 speed-ups read "(slower)", capped step counts "(capped)", and with ``color=True``
-    the string carries ANSI styles (slow, capped, worse and failed cells in red/yellow).
+    Columns are taken in _PRIORITY order, each at its widest cell and header (with ``wrap``, as rich
+    renders: headers over two lines, cells at most _MAX_WIDTH; the status column counts _MIN_STATUS
+    as it always wraps), and one that does not fit in what is left is left out.
     """
+
+    def need(name: str) -> int:
+        header = _header(name).splitlines() if wrap else [name]
+        widest = max(len(t) for t in header + [c[name] for c in cells])
+        if name == STATUS:
+            return min(widest, _MIN_STATUS)
+        return min(widest, _MAX_WIDTH.get(name, widest)) if wrap else widest
+
+    chosen, used = [], -_GAP
+    for i, name in enumerate(_PRIORITY):
+        w = need(name) + _GAP
+        if i < _ALWAYS or used + w <= width:
+            chosen.append(name)
+            used += w
+    return [name for name in COLUMNS if name in chosen]
+
+
+def _left_out_note(shown: list[str]) -> str:
+    hidden = [name for name in COLUMNS if name not in shown]
+    if not hidden:
+        return ""
+    return f" Not shown at this terminal width: {', '.join(hidden)} (report.md has every column)."
+
+
+def _plain_table(rows: list[dict], width: int, smoke: bool) -> str:
+    """terminal_table without rich: the same columns, the status wrapped in what the others leave."""
+    import textwrap
+
+    body = [_cells(r, None, smoke=smoke) for r in _display_order(rows)]
+    shown = _fit_columns(body, width, wrap=False)
+    widths = {n: max(len(c) for c in [n] + [b[n] for b in body]) for n in shown if n != STATUS}
+    indent = " " * (sum(widths.values()) + _GAP * len(widths))  # where the status column starts
+    widths[STATUS] = max(width - len(indent), _MIN_STATUS)
+
+    def lines(cells):
+        status = textwrap.wrap(cells[STATUS], widths[STATUS]) or [""]
+        first = "  ".join(cells[n].ljust(widths[n]) if n != STATUS else status[0] for n in shown)
+        return [first.rstrip()] + [indent + more for more in status[1:]]
+
+    out = [textwrap.fill(SMOKE_NOTE, width), ""] if smoke else []
+    out += lines({n: n for n in shown}) + ["  ".join("-" * widths[n] for n in shown)]
+    for cells in body:
+        out += lines(cells)
+    return "\n".join(out) + "\n" + textwrap.fill(_caption(rows) + _left_out_note(shown), width) + "\n"
+
+
+def terminal_table(
+    rows: list[dict], color: bool = False, width: int | None = None, smoke: bool = False
+) -> str:
+    """The rows as a text table (rich if importable, else plain text) at most ``width`` columns wide.
+
+    ``width`` defaults to the terminal's (``shutil.get_terminal_size()``); the columns that do not fit
+    are left out by _PRIORITY and named under the table. Slower-than-float32 speed-ups read
+    "(slower)", capped step counts "(capped)", and with ``color=True`` the string carries ANSI styles
+    (slow, capped, worse and failed cells in red/yellow). ``smoke``: a ``--quick`` run, whose timings
+    are labelled a smoke check and never flagged as slower.
+    """
+    import shutil
+
+    width = width or shutil.get_terminal_size().columns
     try:
         from rich import box
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
     except ImportError:
-        return _plain_table(rows)
+        return _plain_table(rows, width, smoke)
 
+    ordered = _display_order(rows)
+    status_width = 90 if width >= 150 else 60
+    body = [_cells(row, status_width, short=True, smoke=smoke) for row in ordered]
+    shown = _fit_columns(body, width)
     table = Table(
         box=box.SIMPLE_HEAD,
-        caption=_caption(rows),
+        caption=_caption(rows) + _left_out_note(shown),
         caption_justify="left",
         pad_edge=False,
+        show_edge=False,
         collapse_padding=True,
     )
-    for name in COLUMNS:
-        kwargs: dict = {"overflow": "fold"}
-        if name in ("ms/step", "peak MB", "final loss", "skipped", "final scale"):
-            kwargs["justify"] = "right"
-        if name in _NO_WRAP:
-            kwargs["no_wrap"] = True
-        if name in _MAX_WIDTH:
-            kwargs["max_width"] = _MAX_WIDTH[name]
-        table.add_column(
-            name.replace(" vs ", "\nvs ").replace("final ", "final\n").replace("peak ", "peak\n"), **kwargs
-        )
+    for name in shown:
+        table.add_column(_header(name), overflow="fold", justify="right" if name in _RIGHT else "left",
+                         no_wrap=name not in _MAX_WIDTH and name != STATUS,
+                         max_width=_MAX_WIDTH.get(name))  # fmt: skip
     prev = None
-    for row in _display_order(rows):
+    for row, cells in zip(ordered, body):
         group = (row.get("framework"), row.get("workload"))
         if prev is not None and group != prev:
             table.add_section()
         prev = group
-        cells = _cells(row, status_width=90, short=True)
-        styles = [""] * len(cells)
-        if row.get("capped"):
-            styles[3] = "bold yellow"
-        if _is_slower(row.get("speedup")):
-            styles[5] = "bold red"
-        elif row.get("speedup") is not None and row["speedup"] > 1:
-            styles[5] = "green"
-        if row.get("parity") == "worse":
-            styles[11] = "bold red"
-        if row.get("status") != "ok":
-            styles[14] = "bold red"
+        styles = _flagged(row, smoke)
+        speedup = row.get("speedup")
+        if SPEEDUP not in styles and speedup is not None and speedup > 1 and not smoke:
+            styles[SPEEDUP] = "green"
         if row.get("policy") == BASELINE_POLICY:
-            styles[2] = "bold"
-        table.add_row(*[f"[{s}]{_escape(c)}[/]" if s else _escape(c) for c, s in zip(cells, styles)])
+            styles["policy"] = "bold"
+        table.add_row(*[Text(cells[name], style=styles.get(name, "")) for name in shown])
     console = Console(
         file=io.StringIO(),
         record=True,
-        width=190,
+        width=width,
         force_terminal=color,
         color_system="standard" if color else None,
     )
+    if smoke:
+        console.print(Text(SMOKE_NOTE, style="bold"), "")
     console.print(table)
-    return console.export_text(styles=color)
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
+    return "\n".join(line.rstrip() for line in console.export_text(styles=color).splitlines()) + "\n"
 
 
 # --------------------------------------------------------------------------------------------- markdown
@@ -491,38 +570,42 @@ def _fmt_setting(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _markdown(rows: list[dict], settings: dict, plots: list[Path]) -> str:
-    out = ["# polyamp compare report", ""]
+def _versions(rows: list[dict]) -> dict:
+    """Every package version the cases recorded, each once (a case without ``versions`` gives its
+    framework's ``framework_version``)."""
+    out: dict = {}
+    for r in rows:
+        versions = r.get("versions") or (
+            {r["framework"]: r["framework_version"]} if r.get("framework_version") else {}
+        )
+        for package, version in versions.items():
+            out.setdefault(package, version)
+    return out
+
+
+def _markdown(rows: list[dict], settings: dict, plots: list[Path], smoke: bool = False) -> str:
+    out = ["# polyamp compare report" + (" (smoke check)" if smoke else ""), ""]
     out += ["## Settings", ""]
     for k, v in (settings or {}).items():
         out.append(f"- **{k}**: {_md_cell(_fmt_setting(v))}")
-    versions = {r["framework"]: r.get("framework_version") for r in rows if r.get("framework_version")}
+    versions = _versions(rows)
     if versions:
         out.append(
             "- **framework versions (from the cases)**: " + ", ".join(f"{k} {v}" for k, v in versions.items())
         )
-    out += [
-        "",
-        "## Results",
-        "",
-        "Each row is compared with float32 of the same framework, workload and seed.",
-        "",
-    ]
+    out += ["", "## Results", ""]
+    if smoke:
+        out += [f"> **{SMOKE_NOTE}**", ""]
+    out += ["Each row is compared with float32 of the same framework, workload and seed.", ""]
     out.append("| " + " | ".join(COLUMNS) + " |")
     out.append(
         "|" + "|".join("---:" if c in ("ms/step", "peak MB", "final loss") else "---" for c in COLUMNS) + "|"
     )
     for row in _display_order(rows):
-        cells = [_md_cell(c) for c in _cells(row)]
-        if row.get("capped"):
-            cells[3] = f"**{cells[3]}**"
-        if _is_slower(row.get("speedup")):
-            cells[5] = f"**{cells[5]}**"
-        if row.get("parity") == "worse":
-            cells[11] = f"**{cells[11]}**"
-        if row.get("status") != "ok":
-            cells[14] = f"**{cells[14]}**"
-        out.append("| " + " | ".join(cells) + " |")
+        cells = {name: _md_cell(text) for name, text in _cells(row, smoke=smoke).items()}
+        for name in _flagged(row, smoke):
+            cells[name] = f"**{cells[name]}**"
+        out.append("| " + " | ".join(cells[name] for name in COLUMNS) + " |")
 
     out += ["", "## Notes", ""]
     out.append("- " + _caption(rows))
@@ -534,7 +617,7 @@ def _markdown(rows: list[dict], settings: dict, plots: list[Path]) -> str:
                 f"{row.get('cap_reason') or 'no reason recorded'}"
             )
     for row in ordered:
-        if _is_slower(row.get("speedup")):
+        if _is_slower(row.get("speedup")) and not smoke:
             out.append(f"- **slower than float32**: {_label(row)} at {_fmt_speedup(row)} of float32's speed")
     for row in ordered:
         if row.get("parity") == "worse":
@@ -631,7 +714,7 @@ def _note_figure(title: str, note: str):
     return fig
 
 
-def _speedup_figure(rows: list[dict]):
+def _speedup_figure(rows: list[dict], smoke: bool = False):
     """Bars of speed-up over float32 per framework and policy, one panel per workload; log y axis."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -725,7 +808,10 @@ def _speedup_figure(rows: list[dict]):
     if any_capped:
         handles.append(Patch(facecolor="0.6", hatch="//", edgecolor="white", label="capped run"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
-    fig.suptitle("Speed-up over float32 (median step time; above the line = faster, below = slower)")
+    if smoke:
+        fig.suptitle("Speed-up over float32: a smoke check (--quick), not a measurement")
+    else:
+        fig.suptitle("Speed-up over float32 (median step time; above the line = faster, below = slower)")
     height = fig.get_figheight()
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - 0.25 / height))  # room for the legend and the title
     return fig
@@ -838,13 +924,13 @@ def _scale_figure(rows: list[dict], cases: list[dict]):
     return fig
 
 
-def _plot_all(rows: list[dict], cases: list[dict], out_dir: Path) -> list[Path]:
+def _plot_all(rows: list[dict], cases: list[dict], out_dir: Path, smoke: bool = False) -> list[Path]:
     import matplotlib
 
     paths = []
     with matplotlib.rc_context(_RC):
         for name, fig in (
-            ("speedup.png", _speedup_figure(rows)),
+            ("speedup.png", _speedup_figure(rows, smoke)),
             ("loss_curves.png", _loss_figure(rows, cases)),
             ("loss_scale.png", _scale_figure(rows, cases)),
         ):
@@ -882,13 +968,15 @@ def write_report(
     """Write report.json, report.md, speedup.png, loss_curves.png and loss_scale.png into ``out_dir``.
 
     report.json holds ``settings``, the raw ``cases`` (step_times included, so speed-ups can be
-    recomputed), the ``rows`` of ``summarize`` and the ``tolerances``; non-finite numbers are written as
-    null. Returns ``{"json": path, "markdown": path, "plots": [paths]}``.
+    recomputed), the ``rows`` of ``summarize``, the ``tolerances`` and what the ``timings`` are: a
+    "smoke check" when ``settings["quick"]`` (then every output says so), else a "measurement";
+    non-finite numbers are written as null. Returns ``{"json": path, "markdown": path, "plots": [paths]}``.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summarize(cases, loss_tolerance, accuracy_tolerance)
-    plots = _plot_all(rows, cases, out)
+    smoke = bool((settings or {}).get("quick"))
+    plots = _plot_all(rows, cases, out, smoke)
     doc = {
         "settings": settings,
         "cases": cases,
@@ -898,9 +986,13 @@ def write_report(
             "accuracy_absolute": accuracy_tolerance,
             "baseline": f"{BASELINE_POLICY} of the same framework, workload and seed",
         },
+        "timings": {"kind": "smoke check", "note": SMOKE_NOTE} if smoke else {
+            "kind": "measurement",
+            "note": "median step time after one warm-up step, each case in its own process",
+        },
     }
     json_path = out / "report.json"
     json_path.write_text(json.dumps(_jsonable(doc), indent=1, allow_nan=False) + "\n", encoding="utf-8")
     md_path = out / "report.md"
-    md_path.write_text(_markdown(rows, settings, plots), encoding="utf-8")
+    md_path.write_text(_markdown(rows, settings, plots, smoke), encoding="utf-8")
     return {"json": str(json_path), "markdown": str(md_path), "plots": [str(p) for p in plots]}

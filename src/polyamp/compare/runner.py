@@ -1,29 +1,38 @@
-"""Plans the (framework, workload, policy) cases and runs each in its own subprocess.
+"""Plans the (framework, workload, policy) cases and runs them in worker subprocesses.
 
-A fresh process per case keeps peak memory and thread pools clean. A case that crashes or runs
-past ``timeout`` is recorded with its error text and the run goes on. float32 runs first for
-each (framework, workload): it is the baseline every other policy is compared with.
+A fresh process per case, one at a time, keeps peak memory, thread pools and timings clean; a smoke
+run (``quick``) instead shares one process per framework, so it pays each framework's import once,
+and runs one such process per core side by side. A case that crashes or runs past ``timeout`` is
+recorded with its error text and the run goes on. float32 runs first for each (framework,
+workload): it is the baseline every other policy is compared with.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from numbers import Real
 from pathlib import Path
 
 from ..errors import PolyampError
-from .workloads import WORKLOADS
+from .workloads import WORKLOADS, check_steps
 
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
 DEFAULT_POLICIES = ("float32", "bf16-mixed", "fp16-mixed")
 MXNET_PYTHON = Path(".venv-mxnet/bin/python")
+# contrib.amp patches MXNet's operators for the whole process, in one dtype: one process per policy
+_AMP_PER_PROCESS = ("mxnet",)
+CRASHED = ("failed", "timeout")  # the statuses of a case that crashed; "unsupported" is not one
 
 
 def interpreter(framework: str) -> str | None:
@@ -49,16 +58,18 @@ def installed_frameworks() -> list[str]:
     return [f for f in FRAMEWORKS if interpreter(f)]
 
 
+def _check_framework(name) -> None:
+    if name not in FRAMEWORKS:
+        raise PolyampError(f"unknown framework {name!r}; accepted: {', '.join(FRAMEWORKS)}")
+    if interpreter(name) is None:
+        raise PolyampError(f"{name} is not installed here; installed: {', '.join(installed_frameworks())}")
+
+
 def plan(frameworks=None, workloads=None, policies=None) -> list[tuple[str, str, str]]:
     """The cases to run, float32 first within each (framework, workload)."""
     frameworks = list(frameworks or installed_frameworks())
     for name in frameworks:
-        if name not in FRAMEWORKS:
-            raise PolyampError(f"unknown framework {name!r}; accepted: {', '.join(FRAMEWORKS)}")
-        if interpreter(name) is None:
-            raise PolyampError(
-                f"{name} is not installed here; installed: {', '.join(installed_frameworks())}"
-            )
+        _check_framework(name)
     workloads = list(workloads or WORKLOADS)
     for name in workloads:
         if name not in WORKLOADS:
@@ -70,49 +81,143 @@ def plan(frameworks=None, workloads=None, policies=None) -> list[tuple[str, str,
     return [(f, w, p) for f in frameworks for w in workloads for p in policies]
 
 
-def run_case(case, quick: bool, steps: int | None, budget: float, timeout: float) -> dict:
-    """Run one case in a subprocess; a crash or a timeout becomes a record with the error."""
-    framework, workload, policy = case
+def check_options(steps=None, budget: float = 6.0, timeout: float = 300.0) -> None:
+    """Refuse a step count, budget or timeout that no case could run with, before any case starts."""
+    check_steps(steps)
+    for name, value in (("budget", budget), ("timeout", timeout)):
+        if isinstance(value, bool) or not isinstance(value, Real) or not 0 < value < math.inf:
+            raise PolyampError(f"{name} must be a finite number of seconds > 0; got {value!r}")
+
+
+def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Callable | None = None,
+        reuse: bool | None = None, jobs: int | None = None) -> list[dict]:  # fmt: skip
+    """Run every case; returns their records in the order of ``cases``.
+
+    ``reuse`` (default: ``quick``) runs all the cases of a framework in one worker process, so a
+    smoke run pays each framework's import once; MXNet gets one process per policy, as its AMP is
+    process-wide. Otherwise every case has a fresh process. ``jobs`` worker processes run at once
+    (default: one per core for a smoke run, whose timings are no measurement; else 1, so that no
+    case's timing shares the machine with another). A process that crashes or runs past
+    ``timeout`` on a case costs that case only: the cases after it get a new process.
+    ``progress(i, case, record)`` is called with ``record=None`` when a case starts and with its
+    record when it ends; ``i`` counts the cases finished before.
+    """
+    check_options(steps, budget, timeout)
+    cases = [tuple(case) for case in cases]
+    for case in cases:
+        if len(case) != 3:
+            raise PolyampError(f"a case is (framework, workload, policy); got {case!r}")
+        _check_framework(case[0])
+    reuse = quick if reuse is None else reuse
+    if jobs is None:
+        jobs = (os.cpu_count() or 1) if quick else 1
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise PolyampError(f"jobs must be a whole number >= 1; got {jobs!r}")
+    records: list = [None] * len(cases)
+    finished = 0
+    lock = threading.Lock()
+
+    def notify(index: int, record: dict | None) -> None:
+        nonlocal finished
+        with lock:
+            if record is not None:
+                records[index] = record
+            if progress:
+                progress(finished, cases[index], record)
+            finished += record is not None
+
+    def run_group(group: list[int]) -> None:
+        while group:
+            done = _run_in_process([cases[i] for i in group], quick, steps, budget, timeout,
+                                   lambda k, record, group=group: notify(group[k], record))  # fmt: skip
+            group = group[done:]
+
+    groups = _process_groups(cases, reuse)
+    if jobs == 1 or len(groups) == 1:
+        for group in groups:
+            run_group(group)
+    else:
+        with ThreadPoolExecutor(min(jobs, len(groups))) as pool:
+            for future in [pool.submit(run_group, group) for group in groups]:
+                future.result()
+    return records
+
+
+def _process_groups(cases: list, reuse: bool) -> list[list[int]]:
+    """Indices of the cases that share a worker process, in first-seen order."""
+    groups: dict = {}
+    for i, (framework, _, policy) in enumerate(cases):
+        key = i if not reuse else (framework, policy) if framework in _AMP_PER_PROCESS else framework
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable) -> int:
+    """Run ``cases`` (one framework) in order in one worker process; returns how many got a record.
+
+    Each case has ``timeout`` seconds from the end of the one before (the first: from the start of
+    the process). When the process dies or times out, the case it was on gets an error record and
+    the count stops there."""
+    framework = cases[0][0]
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "case.json"
-        cmd = [interpreter(framework), "-m", "polyamp.compare.worker", "--framework", framework,
-               "--workload", workload, "--policy", policy, "--budget", str(budget),
+        out, log = Path(tmp) / "cases.jsonl", Path(tmp) / "output.txt"
+        cmd = [interpreter(framework), "-m", "polyamp.compare.worker", "--budget", str(budget),
                "--out", str(out)]  # fmt: skip
+        for case in cases:
+            cmd += ["--case", *case]
         if quick:
             cmd.append("--quick")
         if steps is not None:
             cmd += ["--steps", str(steps)]
         env = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
+        with open(log, "w") as sink:
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+        done = 0
+        notify(0, None)
         start = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return _error_record(case, "timeout", f"no result within the {timeout:g} s timeout of a case")
-        if out.exists():
-            record = json.loads(out.read_text())
-            record.setdefault("wall_s", time.perf_counter() - start)
-            return record
-        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
-        return _error_record(case, "failed", f"exit code {proc.returncode}: " + " | ".join(tail))
+            while done < len(cases):
+                exited = proc.poll() is not None
+                for record in _read_records(out)[done:]:
+                    record.setdefault("wall_s", time.perf_counter() - start)
+                    notify(done, record)
+                    done += 1
+                    start = time.perf_counter()
+                    if done < len(cases):
+                        notify(done, None)
+                if done == len(cases):
+                    break
+                if exited:
+                    tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+                    error = f"exit code {proc.returncode}: " + " | ".join(tail)
+                    notify(done, _error_record(cases[done], "failed", error))
+                    return done + 1
+                if time.perf_counter() - start > timeout:
+                    proc.kill()
+                    error = f"no result within the {timeout:g} s timeout of a case"
+                    notify(done, _error_record(cases[done], "timeout", error))
+                    return done + 1
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None and done < len(cases):
+                proc.kill()
+            proc.wait()
+    return done
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The complete lines of the worker's JSON-lines file (a line being written is left for later)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
 def _error_record(case, status: str, error: str) -> dict:
     framework, workload, policy = case
     return {"framework": framework, "workload": workload, "policy": policy, "status": status,
             "error": error}  # fmt: skip
-
-
-def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Callable | None = None):
-    """Run every case in order; ``progress(i, case, record)`` is called after each."""
-    records = []
-    for i, case in enumerate(cases):
-        if progress:
-            progress(i, case, None)
-        record = run_case(case, quick, steps, budget, timeout)
-        records.append(record)
-        if progress:
-            progress(i, case, record)
-    return records
 
 
 def machine() -> dict:

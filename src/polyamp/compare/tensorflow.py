@@ -143,5 +143,5 @@ class Trainer:
         return float(np.mean(losses))
 
 
-def version() -> str:
-    return f"tensorflow {tf.__version__}, keras {keras.__version__}"
+def versions() -> dict[str, str]:
+    return {"tensorflow": tf.__version__, "keras": keras.__version__}

@@ -120,5 +120,5 @@ class Trainer:
         return float(np.mean(losses))
 
 
-def version() -> str:
-    return torch.__version__
+def versions() -> dict[str, str]:
+    return {"torch": torch.__version__}

@@ -1,12 +1,16 @@
-"""Runs one compare case in its own process and writes its record as JSON.
+"""Runs compare cases one after another in this process and appends each record to a JSON-lines file.
 
-    python -m polyamp.compare.worker --framework torch --workload mlp --policy bf16-mixed --out case.json
+    python -m polyamp.compare.worker --case torch mlp float32 --case torch mlp bf16-mixed --out cases.jsonl
 
 Measurement: the first step is a warm-up (it trains, but is not timed); every later step is timed
 from batch to the loss value on the host, so each framework's queued work is included. A case
 stops early once its steps have taken ``--budget`` seconds, and the record says so (if the
-warm-up step alone spent the budget, that one step is the measurement). Peak memory is the
-process's peak resident set size.
+warm-up step alone spent the budget, that one step is the measurement). A smoke check
+(``--quick``) counts only the timed steps against the budget: its warm-up is mostly tracing and
+compiling, slow on a busy machine, and every case should get past it to train and evaluate.
+Peak memory is the process's peak resident set size: the case's own in a fresh process, the peak
+so far when cases share one (``process_case`` > 0). A case that raises becomes a record with its
+error (``unsupported`` when the framework refuses the request here) and the next case runs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -29,35 +34,29 @@ def run_case(framework: str, workload: str, policy: str, quick: bool, steps: int
     start = time.perf_counter()
     record = {"framework": framework, "workload": workload, "policy": policy, "status": "ok",
               "error": None, "capped": False, "cap_reason": None}  # fmt: skip
-    wl = get_workload(workload, quick=quick, steps=steps, seed=seed)
+    wl = get_workload(workload, quick=quick, steps=steps, seed=seed)  # refuses steps < 1
     record["steps_requested"] = wl.steps
     module = importlib.import_module(f"polyamp.compare.{framework}")
-    record["framework_version"] = module.version()
+    record["versions"] = module.versions()
+    record["framework_version"] = record["versions"][framework]
     trainer = module.Trainer(wl, policy)
-    losses, scales, times = [], [], []
+    losses, scales, durations = [], [], []
     skipped = 0
-    spent = 0.0
     for i in range(wl.steps):
         t0 = time.perf_counter()
         losses.append(trainer.step(i))
-        elapsed = time.perf_counter() - t0
-        spent += elapsed
+        durations.append(time.perf_counter() - t0)
         scales.append(trainer.mp.current_scale)
         skipped += not trainer.last.stepped
-        if i > 0:
-            times.append(elapsed)
-        if spent > budget and i + 1 < wl.steps:
+        if sum(durations[1:] if quick else durations) > budget and i + 1 < wl.steps:
             record["capped"] = True
             record["cap_reason"] = (
                 f"stopped after {i + 1} of {wl.steps} steps: the {budget:g} s budget of a case was "
-                f"spent (this step took {elapsed:.2f} s)"
+                f"spent (this step took {durations[-1]:.2f} s)"
             )
             break
-    if not times:  # only the warm-up step ran: it is the measurement
-        times = [elapsed]
-        record["warmup_steps"] = 0
-    else:
-        record["warmup_steps"] = 1
+    times = durations[1:] or durations  # when only the warm-up step ran, it is the measurement
+    record["warmup_steps"] = len(durations) - len(times)
     metric, higher = wl.metric
     # A capped case stopped at another step count than float32: its metric would not be comparable.
     value = math.nan if record["capped"] else trainer.evaluate()
@@ -79,25 +78,32 @@ def run_case(framework: str, workload: str, policy: str, quick: bool, steps: int
     return record
 
 
+def _record(case: list[str], quick: bool, steps: int | None, budget: float) -> dict:
+    """The case's record, or a record of the error it raised."""
+    framework, workload, policy = case
+    try:
+        return run_case(framework, workload, policy, quick, steps, budget)
+    except Exception as err:  # the runner reports the error text; the compare run goes on
+        return {"framework": framework, "workload": workload, "policy": policy,
+                "status": "unsupported" if getattr(err, "unsupported", False) else "failed",
+                "error": f"{type(err).__name__}: {err}",
+                "traceback": traceback.format_exc(limit=8)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--framework", required=True)
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--policy", required=True)
+    parser.add_argument("--case", nargs=3, action="append", required=True,
+                        metavar=("FRAMEWORK", "WORKLOAD", "POLICY"))  # fmt: skip
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--budget", type=float, default=6.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    try:
-        record = run_case(args.framework, args.workload, args.policy, args.quick, args.steps, args.budget)
-    except Exception as err:  # the runner reports the error text; the compare run goes on
-        record = {"framework": args.framework, "workload": args.workload, "policy": args.policy,
-                  "status": "unsupported" if getattr(err, "unsupported", False) else "failed",
-                  "error": f"{type(err).__name__}: {err}",
-                  "traceback": traceback.format_exc(limit=8)}  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(record, f)
+    for index, case in enumerate(args.case):
+        record = _record(case, args.quick, args.steps, args.budget)
+        record.update(worker_pid=os.getpid(), process_case=index)
+        with open(args.out, "a", encoding="utf-8") as f:  # one whole line per case: the runner reads them
+            f.write(json.dumps(record) + "\n")
     return 0
 
 

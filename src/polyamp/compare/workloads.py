@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from numbers import Integral
 
 import numpy as np
 
@@ -171,18 +172,29 @@ _FULL = {
     "charlm": dict(steps=24, batch=32, lr=2e-3, d_model=256, layers=2, heads=4, context=64),
     "digits": dict(steps=150, batch=64, lr=1e-3, dims=(64, 256, 128, 10), activation="relu"),
 }
+# A smoke check: tiny sizes and four steps (one warm-up, three timed), so a case costs little more
+# than building and compiling its step.
 _QUICK = {
     "mlp": dict(steps=4, batch=32, lr=1e-3, dims=(64, 128, 128, 64)),
-    "charlm": dict(steps=6, batch=8, lr=2e-3, d_model=32, layers=1, heads=2, context=16, eval_batches=2),
-    "digits": dict(steps=10, batch=32, lr=1e-3, dims=(64, 32, 10), activation="relu"),
+    "charlm": dict(steps=4, batch=8, lr=2e-3, d_model=32, layers=1, heads=2, context=16, eval_batches=2),
+    "digits": dict(steps=4, batch=32, lr=1e-3, dims=(64, 32, 10), activation="relu"),
 }
+
+
+def check_steps(steps: object) -> None:
+    """Refuse a step count that is not a whole number >= 1 (None means each workload's default)."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, Integral) or steps < 1):
+        raise PolyampError(
+            f"steps must be a whole number >= 1, or None for each workload's default; got {steps!r}"
+        )
 
 
 def get_workload(name: str, quick: bool = False, steps: int | None = None, seed: int = 0) -> Workload:
     """The workload ``name`` at full size (or ``quick``: tiny sizes for tests and smoke runs)."""
     if name not in WORKLOADS:
         raise PolyampError(f"unknown workload {name!r}; accepted: {', '.join(WORKLOADS)}")
+    check_steps(steps)
     config = dict((_QUICK if quick else _FULL)[name])
     if steps is not None:
-        config["steps"] = steps
+        config["steps"] = int(steps)
     return Workload(name=name, seed=seed, **config)
