@@ -1,4 +1,5 @@
 import json
+import math
 import subprocess
 import sys
 
@@ -66,4 +67,85 @@ def test_cast_bad_input_is_one_clear_error(capsys):
 def test_console_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "polyamp", "cast", "1.1", "--to", "bf16"],
                          capture_output=True, text=True, check=True)  # fmt: skip
-    assert "1.10156" in out.stdout
+    assert "1.1015625" in out.stdout
+
+
+# -- help, version, several and negative values ------------------------------------------------------
+def test_help_names_every_command_on_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps to the terminal's width
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "commands:" in out
+    listing = [line.split()[0] for line in out.split("commands:")[1].strip().splitlines()]
+    assert listing == ["<command>", "formats", "cast", "compare"]  # one line each, none wrapped
+
+
+def test_version(capsys):
+    from polyamp import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"polyamp {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("value", "rounded"),
+    [("-inf", math.nan), ("-1e400", -448.0), ("-0x1p-9", -(2.0**-9)), ("-3", -3.0), ("-nan", math.nan)],
+)  # fmt: skip
+def test_cast_negative_values(capsys, value, rounded):
+    code, out, err = run(capsys, "cast", value, "--to", "e4m3fn", "--rounding", "toward_zero", "--json")
+    assert code == 0, err
+    row = json.loads(out)[0]
+    assert row["rounded"] == rounded or (math.isnan(rounded) and math.isnan(row["rounded"]))
+
+
+def test_cast_several_values(capsys):
+    code, out, _ = run(capsys, "cast", "1", "-inf", "2", "--to", "fp16,e4m3fn", "--saturate", "--json")
+    rows = json.loads(out)
+    assert code == 0
+    assert [(r["input"], r["format"], r["rounded"]) for r in rows] == [
+        (1.0, "fp16", 1.0), (1.0, "e4m3fn", 1.0), (-math.inf, "fp16", -65504.0),
+        (-math.inf, "e4m3fn", -448.0), (2.0, "fp16", 2.0), (2.0, "e4m3fn", 2.0)]  # fmt: skip
+    code, out, _ = run(capsys, "cast", "0.5", "-0.25", "--to", "e2m1fn")
+    assert code == 0 and out.count("rounding=nearest") == 2 and "\n-0.25, rounding=nearest" in out
+
+
+def test_cast_rounds_the_exact_decimal(capsys):
+    """464 + 1e-20 is past e4m3fn's overflow tie (464 -> 448): NaN, though its float64 is 464."""
+    code, out, _ = run(capsys, "cast", "464.00000000000000000001", "--to", "e4m3fn", "--json")
+    row = json.loads(out)[0]
+    assert code == 0 and math.isnan(row["rounded"]) and row["status"] == "overflow -> NaN"
+    code, out, _ = run(capsys, "cast", "1e400", "--to", "e4m3fn", "--rounding", "toward_zero")
+    assert code == 0 and "1e400 ~= inf" in out and "448" in out and "saturated" in out
+
+
+def test_formats_one_notation_per_column(capsys):
+    code, out, _ = run(capsys, "formats")
+    header, _, *rows = out.splitlines()
+    columns = list(zip(*(row.split() for row in rows)))
+    names = header.replace("min normal", "min_normal").replace("min subnormal", "min_subnormal").split()
+    for name in ("min_normal", "min_subnormal", "eps"):
+        assert all(c.startswith("2^") or c == "-" for c in columns[names.index(name)]), name
+    assert not any("^" in c for c in columns[names.index("max")])
+
+
+# -- compare's options are checked before any case runs ----------------------------------------------
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--steps", "0"), ("--steps", "-2"), ("--steps", "1.5"), ("--steps", "many"), ("--budget", "-1"),
+     ("--budget", "0"), ("--budget", "nan"), ("--budget", "inf"), ("--timeout", "0"), ("--timeout", "x")],
+)  # fmt: skip
+def test_compare_options_are_validated(capsys, tmp_path, option, value):
+    # an unknown framework and a scratch folder: were the check to slip, nothing would run or be overwritten
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", option, value, "--frameworks", "none-such", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"argument {option}: got {value!r}; accepted:" in err
+
+
+def test_bad_compare_option_exits_2_from_the_command_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "polyamp", "compare", "--steps", "0", "--frameworks",
+                          "none-such", "--out", str(tmp_path)], capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 2 and "got '0'; accepted: a whole number of steps >= 1" in out.stderr

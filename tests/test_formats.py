@@ -6,7 +6,7 @@ import pytest
 from conftest import ML_DTYPES
 
 from polyamp import PolyampError
-from polyamp.numerics import FORMATS, FloatFormat, decode, encode, get_format
+from polyamp.numerics import FORMATS, FloatFormat, decode, encode, get_format, neighbours
 
 # DESIGN.md section 5: exponent bits, mantissa bits, bias, max, min normal, min subnormal.
 TABLE = {
@@ -163,3 +163,63 @@ def test_codes_bad_input():
         decode([1.5], "e4m3fn")
     with pytest.raises(PolyampError, match="no NaN"):
         encode([1.0, math.nan], "e2m1fn")
+
+
+# -- every entry point answers bad input with one PolyampError --------------------------------------
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [("e0m3_fn", "0 exponent and 3 mantissa bits"), ("e0m0_none", "0 exponent"),
+     ("e4m24_none", "0-23 mantissa bits"), ("e1m0_fn", "no finite non-zero value"),
+     ("e1234m3_fn", "unknown format"), ("e4m3fm", "did you mean 'e4m3fn'")],
+)  # fmt: skip
+def test_bad_format_names(spec, match):
+    with pytest.raises(PolyampError, match=match):
+        get_format(spec)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"ebits": "4"}, "ebits must be an integer, got '4'"), ({"mbits": 3.0}, "mbits must be an integer"),
+     ({"bias": None}, "bias must be an integer"), ({"ebits": True}, "ebits must be an integer"),
+     ({"name": 5}, "name must be a string"), ({"signed": 1}, "signed must be True or False"),
+     ({"special": ["fn"]}, "unknown special-value convention"),
+     ({"signed": False, "special": "fnuz"}, "unsigned"), ({"ebits": -1}, "-1 exponent")],
+)  # fmt: skip
+def test_float_format_checks_its_fields(kwargs, match):
+    fields = {"name": "x", "ebits": 4, "mbits": 3, "bias": 7, "special": "fn", **kwargs}
+    with pytest.raises(PolyampError, match=match):
+        FloatFormat(**fields)
+
+
+@pytest.mark.parametrize("x", ["1.5", None, [1.0, 2.0], np.ones(2), True, 1j])
+def test_neighbours_takes_one_real_number(x):
+    with pytest.raises(PolyampError, match="one real number"):
+        neighbours(x, "fp16")
+
+
+def test_neighbours_of_formats_without_zero_or_sign():
+    assert neighbours(0.0, "e8m0fnu") == (None, 2.0**-127)
+    assert neighbours(-1.0, "e8m0fnu") == (None, 2.0**-127)
+    assert neighbours(3.0, "e8m0fnu") == (2.0, 4.0)
+    no_zero = FloatFormat("signed_e8m0", 8, 0, 127, "fn", subnormals=False)
+    assert neighbours(-1e-40, no_zero) == (-(2.0**-127), 2.0**-127)
+    assert neighbours(-0.3, "e2m1fn") == (-0.5, 0.0)
+    assert neighbours(10**400, "e4m3fn") == (448.0, None)
+
+
+def test_codes_bad_input_is_one_polyamp_error():
+    assert decode([], "e4m3fn").shape == (0,)
+    bad = (([[1], [1, 2]], "cannot read|integer array"), ("abc", "integer"), ([10**30], "integer"))
+    for codes, match in bad:
+        with pytest.raises(PolyampError, match=match):
+            decode(codes, "e4m3fn")
+
+
+def test_numerics_docstring_examples_run():
+    import doctest
+
+    from polyamp.numerics import codes, formats, rounding
+
+    for module in (formats, rounding, codes):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and (module is formats or result.attempted > 0), module.__name__

@@ -1,4 +1,6 @@
 import math
+from decimal import Decimal
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -10,7 +12,7 @@ from hypothesis.extra import numpy as hnp
 from reference import neighbours, round_exact
 
 from polyamp import PolyampError
-from polyamp.numerics import FORMATS, decode, get_format, quantize
+from polyamp.numerics import FORMATS, decode, encode, get_format, quantize
 
 MODES = ("nearest", "toward_zero", "stochastic")
 
@@ -304,3 +306,91 @@ def test_bad_arguments(kwargs, match):
 def test_non_float_input(x):
     with pytest.raises(PolyampError, match="expected a floating-point array"):
         quantize(x, "fp16")
+
+
+# -- 16-bit inputs: one rounding, codes that depend on the value only ------------------------------
+SIXTEEN = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+HELD_BY = {  # formats whose every value the 16-bit dtype holds, so quantize keeps that dtype
+    "float16": {"fp16", "e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz", "e2m3fn", "e3m2fn", "e2m1fn", "e3m4_ieee",
+                "e4m4_fnuz"},
+    "bfloat16": {"bf16", "e4m3fn", "e5m2", "e4m3fnuz", "e5m2fnuz", "e2m3fn", "e3m2fn", "e2m1fn", "e8m0fnu",
+                 "e3m4_ieee", "e5m3_fn", "e4m4_fnuz"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN)
+@pytest.mark.parametrize("name", [*FORMATS, "e3m4_ieee", "e5m3_fn", "e4m4_fnuz", "e6m9_ieee"])
+def test_every_16bit_input_is_rounded_once(dtype, name):
+    """All 65,536 bit patterns, nearest and toward zero, saturating or not: quantize gives exactly
+    the float64 result (in the input dtype where it holds every value of the format, else float32),
+    and encode gives the same codes as for the equal float64 values."""
+    x = np.arange(1 << 16, dtype=np.uint16).view(SIXTEEN[dtype])
+    wide = x.astype(np.float64)
+    f = get_format(name)
+    keep = ~np.isnan(wide) if not f.has_nan else np.ones(x.shape, bool)  # fp6/fp4 cannot encode NaN
+    for mode in ("nearest", "toward_zero"):
+        for saturate in (False, True):
+            out = quantize(x, f, mode, saturate)
+            assert out.dtype == (SIXTEEN[dtype] if name in HELD_BY[dtype] else np.float32)
+            exact = quantize(wide, f, mode, saturate)
+            bad = ~bits_equal(out.astype(np.float64), exact)
+            assert not bad.any(), f"{mode} sat={saturate}: {bad.sum()} differ, e.g. {wide[bad][:3]}"
+            assert (encode(x[keep], f, mode, saturate) == encode(wide[keep], f, mode, saturate)).all()
+
+
+def test_16bit_double_rounding_cases_from_the_issue():
+    bf16, fp16 = ml_dtypes.bfloat16, np.float16
+    out = quantize(np.array([1e6], bf16), "fp16", saturate=True)
+    assert out.dtype == np.float32 and out.tolist() == [65504.0]
+    for kwargs in ({"saturate": True}, {"rounding": "toward_zero"}):
+        assert encode(np.array([65536], bf16), "fp16", **kwargs).tolist() == [0x7BFF]
+    assert encode(np.array([65408], fp16), "bf16").tolist() == [0x4780]
+    assert encode(np.array([49152], fp16), "e8m0fnu").tolist() == [127 + 16]
+    assert quantize(np.array([65504], fp16), "bf16").tolist() == [65536.0]
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN.values())
+def test_16bit_stochastic_is_the_float32_result(dtype):
+    x = np.arange(1 << 16, dtype=np.uint16).view(dtype)
+    for name in ("fp16", "bf16", "e4m3fn", "e8m0fnu"):
+        out = quantize(x, name, "stochastic", saturate=True, seed=4)
+        ref = quantize(x.astype(np.float32), name, "stochastic", saturate=True, seed=4)
+        assert bits_equal(out.astype(np.float32), ref).all()
+
+
+# -- Python numbers are rounded from their exact value ---------------------------------------------
+def test_python_numbers_are_rounded_exactly():
+    tie_plus_one = 2**60 + 2**36 + 1  # float64 drops the +1 and lands on an fp32 tie (-> 2^60)
+    assert quantize(tie_plus_one, "fp32") == 2.0**60 + 2.0**37
+    assert quantize(10**400, "e4m3fn", "toward_zero") == 448.0  # finite: clamps, never NaN
+    assert np.isnan(quantize(10**400, "e4m3fn"))
+    assert quantize(-(10**400), "fp16", saturate=True) == -65504.0
+    assert quantize(Fraction(464 * 10**20 + 1, 10**20), "e4m3fn", saturate=True) == 448.0
+    assert np.isnan(quantize(Fraction(464 * 10**20 + 1, 10**20), "e4m3fn"))  # just above the tie
+    assert quantize(Decimal("464.00000000000000000001"), "e4m3fn", saturate=True) == 448.0
+    assert quantize(Decimal("1e-400"), "e8m0fnu") == 2.0**-127  # positive, so never NaN
+    assert np.signbit(quantize(Decimal("-0"), "fp16"))
+    mixed = [[Decimal("464.00000000000000000001"), 10**30], [tie_plus_one, Fraction(1, 3)]]
+    assert quantize(mixed, "e4m3fn", saturate=True).tolist() == [[448.0, 448.0], [448.0, 0.34375]]
+
+
+# -- every bad input is one PolyampError -------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("x", "fmt", "kwargs", "match"),
+    [
+        (1.0, "e0m3_fn", {}, "0 exponent"),
+        ([[1.0], [1.0, 2.0]], "fp16", {}, "cannot read .* as an array|ragged"),
+        ([1.0, None], "fp16", {}, "object"),
+        (np.ones(2), "fp16", {"rounding": ["nearest"]}, "unknown rounding"),
+        (np.ones(2), "fp16", {"rounding": None}, "unknown rounding"),
+        ([1.0, [2.0]], "fp16", {}, "cannot read .* as an array|object"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_polyamp_error(x, fmt, kwargs, match):
+    with pytest.raises(PolyampError, match=match):
+        quantize(x, fmt, **kwargs)
+
+
+def test_non_native_byte_order_is_read():
+    x = np.array([1.1, 464.0], ">f4")
+    assert quantize(x, "e4m3fn").tolist() == [1.125, 448.0]

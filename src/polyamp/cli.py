@@ -1,4 +1,4 @@
-"""The ``polyamp`` command line: ``formats`` and ``cast``."""
+"""The ``polyamp`` command line: ``formats``, ``cast`` and ``compare`` (``polyamp --help``)."""
 
 from __future__ import annotations
 
@@ -6,39 +6,53 @@ import argparse
 import json
 import math
 import sys
+from decimal import Decimal
+from fractions import Fraction
 
+from . import __version__
 from .errors import PolyampError
 from .numerics import FORMATS, ROUNDINGS, encode, get_format, neighbours, quantize
+from .numerics.rounding import exact_float64
+
+_CAST_OPTIONS_WITH_VALUE = ("--to", "--rounding", "--seed")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="polyamp", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="polyamp", description="Exact low-precision numerics and mixed-precision measurements."
+    )
+    parser.add_argument("--version", action="version", version=f"polyamp {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="<command>")
 
     p = sub.add_parser("formats", help="every low-precision format and its derived facts")
     p.add_argument("names", nargs="*", help="formats to show (default: all named formats)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = sub.add_parser("cast", help="round a value onto formats: value, neighbours, error, bits")
-    p.add_argument("value", help="a decimal, hex float (0x1p-9), inf or nan")
+    p = sub.add_parser("cast", help="round values onto formats: neighbours, error, bits", allow_abbrev=False)
+    p.add_argument("values", nargs="+", metavar="value",
+                   help="decimals (rounded from their exact value), hex floats (0x1p-9), inf, -inf, nan")
     p.add_argument("--to", default="fp16,bf16,e4m3fn,e5m2", help="comma-separated format names")
     p.add_argument("--rounding", default="nearest", help=f"one of {', '.join(ROUNDINGS)}")
     p.add_argument("--saturate", action="store_true", help="clamp overflow to +-max")
     p.add_argument("--seed", type=int, default=None, help="seed for stochastic rounding")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = sub.add_parser("compare", help="the same workloads on every installed framework and policy")
+    p = sub.add_parser("compare", help="workloads x frameworks x policies: speed, memory, parity",
+                       epilog="exit status: 0 every case ran or is unsupported here, 1 a case crashed or "
+                       "timed out, 2 bad options")  # fmt: skip
     p.add_argument("--frameworks", help="comma-separated (default: every installed one)")
     p.add_argument("--workloads", help="comma-separated: mlp, charlm, digits (default: all)")
     p.add_argument("--policies", help="comma-separated (default: float32,bf16-mixed,fp16-mixed)")
-    p.add_argument("--steps", type=int, help="training steps per case (default: per workload)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run in seconds")
-    p.add_argument("--budget", type=float, default=6.0, help="seconds of training per case before capping")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is abandoned")
+    p.add_argument("--steps", type=_steps, help="training steps per case, >= 1 (default: per workload)")
+    p.add_argument("--quick", action="store_true", help="a smoke check: tiny sizes, 4 steps, one process per "
+                   "framework; its timings are not findings")  # fmt: skip
+    p.add_argument("--budget", type=_seconds, default=6.0, help="seconds of training per case before capping "
+                   "(with --quick only the timed steps count)")  # fmt: skip
+    p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds before a case is abandoned")
     p.add_argument("--out", default="compare-report", help="output folder (default: compare-report)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_cast_values_last(sys.argv[1:] if argv is None else list(argv)))
     try:
         if args.command == "formats":
             return _formats(args)
@@ -52,6 +66,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+# -- argument checks ------------------------------------------------------------------------------
+def _steps(text: str) -> int:
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: a whole number of steps >= 1")
+    return steps
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"got {text!r}; accepted: a finite number of seconds > 0")
+    return seconds
+
+
+def _cast_values_last(argv: list[str]) -> list[str]:
+    """Put ``cast``'s values after ``--``: argparse reads '-inf' or '-1e400' as an unknown option."""
+    if not argv or argv[0] != "cast" or "--" in argv:
+        return argv
+    options, values, option_value_next = [], [], False
+    for token in argv[1:]:
+        if option_value_next or (token.startswith("-") and not _is_number(token)):
+            options.append(token)
+            option_value_next = not option_value_next and token in _CAST_OPTIONS_WITH_VALUE
+        else:
+            values.append(token)
+    return ["cast", *options, "--", *values]
+
+
+# -- formats --------------------------------------------------------------------------------------
 def _formats(args) -> int:
     fmts = [get_format(n) for n in args.names] if args.names else list(FORMATS.values())
     facts = [f.facts() for f in fmts]
@@ -62,8 +112,8 @@ def _formats(args) -> int:
                "finite codes", "inf", "NaN", "-0"]  # fmt: skip
     rows = [
         [
-            f.name, f"{int(f.signed)}/{f.ebits}/{f.mbits}", str(f.bias), _num(f.max),
-            _num(f.min_normal), _num(f.min_subnormal), _num(f.eps), str(f.digits),
+            f.name, f"{int(f.signed)}/{f.ebits}/{f.mbits}", str(f.bias), f"{f.max:.6g}",
+            _pow2(f.min_normal), _pow2(f.min_subnormal), _pow2(f.eps), str(f.digits),
             str(f.finite_codes), "yes" if f.has_inf else "no", _nan_rule(f),
             "yes" if f.has_negative_zero else "no",
         ]
@@ -73,52 +123,98 @@ def _formats(args) -> int:
     return 0
 
 
+def _pow2(x: float | None) -> str:
+    """A power of two (every min normal, min subnormal and eps is one) as 2^k."""
+    return "-" if x is None else f"2^{math.frexp(x)[1] - 1}"
+
+
+def _nan_rule(f) -> str:
+    return {"ieee": "IEEE", "fn": "all-ones", "fnuz": "0x80..", "none": "none"}[f.special]
+
+
+# -- cast -----------------------------------------------------------------------------------------
 def _cast(args) -> int:
-    value = _parse_value(args.value)
-    results = []
-    for name in (n for n in args.to.split(",") if n.strip()):
-        f = get_format(name)
-        rounded = float(quantize(value, f, args.rounding, args.saturate, args.seed))
-        below, above = neighbours(value, f)
-        code = None if (math.isnan(rounded) and not f.has_nan) else int(encode(rounded, f))
-        rel = (
-            abs(rounded - value) / abs(value)
-            if value not in (0.0,) and math.isfinite(rounded) and math.isfinite(value)
-            else (0.0 if rounded == value else None)
-        )
-        results.append({
-            "format": f.name, "input": value, "rounded": rounded, "below": below, "above": above,
-            "relative_error": rel, "status": _status(value, rounded, f, args.rounding),
-            "code": code, "hex": None if code is None else f"0x{code:0{(f.bits + 3) // 4}X}",
-            "bits": None if code is None else _fields(code, f),
-        })  # fmt: skip
+    formats = [get_format(name) for name in args.to.split(",") if name.strip()]
+    if not formats:
+        raise PolyampError(f"--to names no format: got {args.to!r}; accepted: e.g. fp16,bf16,e4m3fn")
+    parsed = [(text, _parse_value(text)) for text in args.values]
+    tables = [(text, value, [_cast_row(value, f, args) for f in formats]) for text, value in parsed]
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps([row for _, _, rows in tables for row in rows], indent=2))
         return 0
-    print(f"{args.value} = {value!r} (float64), rounding={args.rounding}, saturate={args.saturate}")
     headers = ["format", "rounded", "below", "above", "rel. error", "bits", "hex", "status"]
-    rows = [[r["format"], _num(r["rounded"]), _num(r["below"]), _num(r["above"]),
-             "-" if r["relative_error"] is None else f"{r['relative_error']:.3g}",
-             r["bits"] or "-", r["hex"] or "-", r["status"]] for r in results]  # fmt: skip
-    print(_table(headers, rows))
+    blocks = []
+    for text, value, results in tables:
+        rows = [[r["format"], _num(r["rounded"]), _num(r["below"]), _num(r["above"]),
+                 "-" if r["relative_error"] is None else f"{r['relative_error']:.3g}",
+                 r["bits"] or "-", r["hex"] or "-", r["status"]] for r in results]  # fmt: skip
+        blocks.append(f"{_describe(text, value)}, rounding={args.rounding}, saturate={args.saturate}\n"
+                      + _table(headers, rows))  # fmt: skip
+    print("\n\n".join(blocks))
     return 0
 
 
-def _parse_value(text: str) -> float:
+def _cast_row(value: float | Decimal, f, args) -> dict:
+    """One value in one format; ``value`` keeps its exact decimal value (a Decimal) when float64 cannot."""
+    x = exact_float64(value)  # a float64 that every format rounds as it rounds the exact value
+    rounded = float(quantize(x, f, args.rounding, args.saturate, args.seed))
+    below, above = neighbours(x, f)
+    code = None if (math.isnan(rounded) and not f.has_nan) else int(encode(rounded, f))
+    return {
+        "format": f.name, "input": float(value), "rounded": rounded, "below": below, "above": above,
+        "relative_error": _relative_error(x, rounded), "status": _status(x, rounded, f, args.rounding),
+        "code": code, "hex": None if code is None else f"0x{code:0{(f.bits + 3) // 4}X}",
+        "bits": None if code is None else _fields(code, f),
+    }  # fmt: skip
+
+
+def _parse_value(text: str) -> float | Decimal:
+    """A float for hex floats, inf and nan; a Decimal (exact) for decimals."""
     try:
-        return float.fromhex(text) if "0x" in text.lower() else float(text)
-    except ValueError:
+        if "0x" in text.lower():
+            return float.fromhex(text)
+        value = Decimal(text.strip())
+    except (ValueError, ArithmeticError):
         raise PolyampError(
-            f"cannot read {text!r} as a number; accepted: a decimal (68.0000036), "
+            f"cannot read {text!r} as a number; accepted: a decimal (68.0000036, -1e400), "
             "a hex float (0x1.2p-3), inf, -inf or nan"
         ) from None
+    return value if value.is_finite() else float("nan" if value.is_nan() else value)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        _parse_value(text)
+    except PolyampError:
+        return False
+    return True
+
+
+def _describe(text: str, value: float | Decimal) -> str:
+    """The value as typed, and its float64 where that reads differently."""
+    nearest = float(value)
+    if repr(nearest) == text:
+        return text
+    if isinstance(value, float) or (math.isfinite(nearest) and Fraction(value) == Fraction(nearest)):
+        return f"{text} = {nearest!r} (float64)"
+    return f"{text} ~= {nearest!r} (nearest float64; each format rounds the exact value)"
+
+
+def _relative_error(x: float, rounded: float) -> float | None:
+    if x == rounded:
+        return 0.0
+    if not (math.isfinite(x) and math.isfinite(rounded)) or abs(x) < sys.float_info.min:
+        return None  # below float64's normal range the stand-in x is not close to the exact value
+    return float(abs(Fraction(rounded) - Fraction(x)) / abs(Fraction(x)))
 
 
 def _status(value: float, rounded: float, f, rounding: str) -> str:
     if math.isnan(value):
         return "NaN"
     if math.isnan(rounded):
-        return "overflow -> NaN"
+        if value == 0 and not f.has_zero:
+            return "no zero -> NaN"
+        return "no sign -> NaN" if value < 0 and not f.signed else "overflow -> NaN"
     if math.isinf(rounded) and not math.isinf(value):
         return "overflow -> inf"
     if abs(rounded) == f.max and abs(value) > f.max:
@@ -142,19 +238,11 @@ def _fields(code: int, f) -> str:
     return " ".join(p for p in parts if p)
 
 
-def _nan_rule(f) -> str:
-    return {"ieee": "IEEE", "fn": "all-ones", "fnuz": "0x80..", "none": "none"}[f.special]
-
-
-def _num(x) -> str:
+def _num(x: float | None) -> str:
+    """The shortest decimal that reads back as exactly ``x`` (whole numbers without '.0')."""
     if x is None:
         return "-"
-    if x == 0 or math.isnan(x) or math.isinf(x):
-        return str(x)
-    e = math.frexp(abs(x))[1] - 1
-    if x == math.copysign(2.0**e, x) and abs(e) > 12:
-        return f"{'-' if x < 0 else ''}2^{e}"
-    return f"{x:.6g}"
+    return str(int(x)) if x.is_integer() and 0 < abs(x) < 1e16 else repr(x)
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:

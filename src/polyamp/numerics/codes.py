@@ -2,18 +2,22 @@
 
 decode: ``field == 0`` (with subnormals) is ``mant * 2^(emin - mbits)``, otherwise
 ``(2^mbits + mant) * 2^(field - bias - mbits)``; then the convention's inf/NaN codes.
-encode: round with ``quantize`` first, then split each exact value with ``frexp``.
+encode: round with ``quantize`` first (exactly, so a code depends on the value only, never on the
+input's dtype), then split each exact value with ``frexp``.
 NaN encodes to one canonical code: quiet positive NaN (ieee), the positive all-ones code (fn),
 ``1000...0`` (fnuz). Codes are returned in the smallest unsigned dtype that holds them.
 """
 
 from __future__ import annotations
 
+import numbers
+from decimal import Decimal
+
 import numpy as np
 
 from ..errors import PolyampError
 from .formats import FloatFormat, get_format
-from .rounding import quantize
+from .rounding import exact_float64, quantize
 
 _U = np.uint64
 
@@ -25,7 +29,14 @@ def decode(codes, fmt) -> np.ndarray:
     [448.0, nan, 1.0]
     """
     fmt = get_format(fmt)
-    c = np.asarray(codes)
+    try:
+        c = np.asarray(codes)
+    except (ValueError, TypeError, OverflowError) as err:
+        raise PolyampError(
+            f"cannot read {codes!r:.60} as an array of codes ({err}); accepted: a rectangular integer array"
+        ) from None
+    if c.size == 0 and c.dtype.kind == "f":
+        c = c.astype(np.uint8)  # an empty list
     if c.dtype.kind not in "ui":
         raise PolyampError(f"codes must be an integer array, got dtype {c.dtype}; accepted: uint8/16/32")
     if c.size and (int(c.min()) < 0 or int(c.max()) >= 1 << fmt.bits):
@@ -97,29 +108,41 @@ def _nan_code(fmt: FloatFormat) -> int:
     return 1 << (fmt.bits - 1)  # fnuz
 
 
-def neighbours(x: float, fmt) -> tuple[float | None, float | None]:
-    """The largest representable value <= x and the smallest >= x (None past the range).
+def neighbours(x, fmt) -> tuple[float | None, float | None]:
+    """The largest representable value <= x and the smallest >= x (None where there is none).
+
+    ``x`` is one real number (a Python int, Fraction or Decimal counts with its exact value).
 
     >>> neighbours(0.3, "e2m1fn")
     (0.0, 0.5)
     """
     fmt = get_format(fmt)
-    x = float(x)
+    if isinstance(x, np.ndarray) and x.ndim == 0:
+        x = x[()]
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Rational, float, Decimal, np.floating)):
+        raise PolyampError(
+            f"neighbours takes one real number, got {x!r:.60}; accepted: an int, float, Fraction or Decimal"
+        )
+    x = exact_float64(x)
     if np.isnan(x):
         return None, None
-    a = abs(x)
-    if np.isinf(a) or a > fmt.max:
-        near, far = fmt.max, None
-    else:
-        near = float(quantize(a, fmt, "toward_zero"))
-        if near == a:
-            far = a
-        elif near > a:  # a format without zero: nothing below its smallest value
-            near, far = None, near
-        else:
-            far = None if near == fmt.max else float(decode([int(encode(near, fmt)) + 1], fmt)[0])
+    if x < 0 and not fmt.signed:
+        return None, (0.0 if fmt.has_zero else fmt.min_normal)
+    below, above = _magnitude_neighbours(abs(x), fmt)
     if x >= 0:
-        return near, far
-    if not fmt.signed:
-        return None, None
-    return (None if far is None else -far), (None if near is None else -near)
+        return below, above
+    # mirror |x| (-0 reads as +0); in a format without zero, +min is the next value above -min
+    lower = None if above is None else -above
+    upper = fmt.min_normal if below is None else (0.0 if below == 0 else -below)
+    return lower, upper
+
+
+def _magnitude_neighbours(a: float, fmt: FloatFormat) -> tuple[float | None, float | None]:
+    if a > fmt.max:
+        return fmt.max, None
+    if not fmt.has_zero and a < fmt.min_normal:
+        return None, fmt.min_normal
+    below = float(quantize(a, fmt, "toward_zero"))
+    if below == a:
+        return a, a
+    return below, float(decode([int(encode(below, fmt)) + 1], fmt)[0])

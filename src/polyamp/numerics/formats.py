@@ -14,6 +14,7 @@ A format is sign (optional) | ``ebits`` exponent bits | ``mbits`` mantissa bits 
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -39,7 +40,16 @@ class FloatFormat:
     subnormals: bool = True
 
     def __post_init__(self) -> None:
-        if self.special not in CONVENTIONS:
+        if not isinstance(self.name, str):
+            raise PolyampError(f"name must be a string, got {self.name!r}")
+        for field in ("ebits", "mbits", "bias"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PolyampError(f"{field} must be an integer, got {value!r} ({type(value).__name__})")
+        for field in ("signed", "subnormals"):
+            if not isinstance(getattr(self, field), bool):
+                raise PolyampError(f"{field} must be True or False, got {getattr(self, field)!r}")
+        if not isinstance(self.special, str) or self.special not in CONVENTIONS:
             raise PolyampError(
                 f"unknown special-value convention {self.special!r}; accepted: {', '.join(CONVENTIONS)}"
             )
@@ -52,6 +62,16 @@ class FloatFormat:
             raise PolyampError(
                 f"format {self.name!r}: the ieee convention needs >= 2 exponent bits and >= 1 "
                 "mantissa bit (inf and NaN share the top binade); use special='fn' or 'none'"
+            )
+        if self.special == "fnuz" and not self.signed:
+            raise PolyampError(
+                f"format {self.name!r}: fnuz's NaN is the negative-zero code, which an unsigned format "
+                "lacks; use special='fn' or 'none'"
+            )
+        if self.subnormals and self._top[0] == 0:
+            raise PolyampError(
+                f"format {self.name!r} has no finite non-zero value (its one binade holds only zero "
+                "and NaN); accepted: more exponent or mantissa bits, or special='none'"
             )
         if self.emin - self.mbits < -149 or self.emax > 127:
             raise PolyampError(
@@ -221,7 +241,7 @@ ALIASES: dict[str, str] = {
     "e8m0": "e8m0fnu", "float8_e8m0fnu": "e8m0fnu",
 }  # fmt: skip
 
-_CUSTOM = re.compile(r"e(\d+)m(\d+)_(ieee|fn|fnuz|none)")
+_CUSTOM = re.compile(r"e(\d{1,3})m(\d{1,3})_(ieee|fn|fnuz|none)")
 
 
 def get_format(spec: str | FloatFormat) -> FloatFormat:
@@ -241,10 +261,13 @@ def get_format(spec: str | FloatFormat) -> FloatFormat:
     custom = _CUSTOM.fullmatch(key)
     if custom:
         e, m, special = int(custom[1]), int(custom[2]), custom[3]
-        return _fmt(key, e, m, special)
+        return _fmt(key, e, m, special, bias=None if 1 <= e <= 8 else 0)  # FloatFormat refuses e
     hint = ""
     if re.fullmatch(r"e\d+m\d+", key):
         hint = f" ({key} is ambiguous: state its convention, e.g. {key}_ieee or {key}_fn)"
+    else:
+        close = difflib.get_close_matches(key, [*FORMATS, *ALIASES], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise PolyampError(f"unknown format {spec!r}{hint}; {_accepted()}")
 
 

@@ -18,21 +18,29 @@ Algorithm, on the exact value ``a = |x|`` (every supported input converts to flo
 5. NaN stays NaN; +-inf becomes ``+-max`` when saturating, else inf or NaN; formats without -0
    give +0; an unsigned format gives NaN for negative input; a format without zero gives NaN for 0.
 
-A float64 input is rounded once, straight from its own value (no detour through float32).
+Every input is rounded once, from its exact value: a float64 input straight from its own value (no
+detour through float32); a Python int, Fraction or Decimal through a float64 stand-in that rounds
+like the exact value (see ``exact_float64``); a float16/bfloat16 input into a result dtype that
+holds every value of the format, so its result is never rounded a second time (see ``quantize``).
 The compiled kernel (numba, optional) and the numpy code below implement the same steps and are
 tested to agree bit for bit; 16-bit inputs use a 65,536-entry table for nearest and toward-zero.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
+import sys
+from decimal import Decimal
+from fractions import Fraction
 from functools import lru_cache
 
 import ml_dtypes
 import numpy as np
 
 from ..errors import PolyampError
-from .formats import FloatFormat, get_format
+from .formats import FORMATS, FloatFormat, get_format
 
 ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 _MODE = {name: i for i, name in enumerate(ROUNDINGS)}
@@ -46,9 +54,17 @@ _MASK64 = (1 << 64) - 1
 def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: int | None = None):
     """Round every element of ``x`` to the nearest value of ``fmt`` per ``rounding``.
 
-    Returns values exactly representable in ``fmt``, in ``x``'s dtype (float16, bfloat16, float32
-    or float64; Python numbers and lists become float64). ``saturate`` clamps overflow to +-max
-    instead of inf/NaN. ``seed`` makes stochastic rounding reproducible (None: fresh entropy).
+    Returns values exactly representable in ``fmt``. ``saturate`` clamps overflow to +-max instead
+    of inf/NaN. ``seed`` makes stochastic rounding reproducible (None: fresh entropy).
+
+    The result's dtype is ``x``'s (float32 or float64, which hold every format), except that a
+    float16 or bfloat16 input comes back as float32 when its own dtype cannot hold every value of
+    ``fmt`` (more mantissa bits, a larger max or finer subnormals: fp16 input to bf16, tf32, fp32 or
+    e8m0fnu; bf16 input to fp16, tf32 or fp32). This is decided by the two formats, never by the
+    data, and it is deliberate: casting back to the 16-bit dtype would round a second time
+    (bf16 1e6 -> fp16 saturated is 65504, which bf16 would turn into 65536).
+    Python numbers and lists become float64; a Python int, Fraction or Decimal is rounded from its
+    exact value (2**60 + 2**36 + 1 -> fp32 is 2**60 + 2**37, not the tie float64 would make of it).
 
     >>> float(quantize(464.0, "e4m3fn")), float(quantize(465.0, "e4m3fn", saturate=True))
     (448.0, 448.0)
@@ -69,8 +85,7 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
 
 def _quantize_array(arr: np.ndarray, fmt: FloatFormat, mode: int, saturate: bool, seed: int):
     if arr.dtype.itemsize == 2 and mode != _MODE["stochastic"]:
-        table = _table(arr.dtype.str if arr.dtype != INPUT_DTYPES[1] else "bf16", fmt, mode, saturate)
-        return table[arr.view(np.uint16)]
+        return _table(arr.dtype, fmt, mode, saturate)[arr.view(np.uint16)]
     work = arr if arr.dtype.itemsize >= 4 else arr.astype(np.float32)
     flat = np.ascontiguousarray(work).reshape(-1)
     params = _params(fmt, mode, saturate, seed)
@@ -80,17 +95,29 @@ def _quantize_array(arr: np.ndarray, fmt: FloatFormat, mode: int, saturate: bool
         kernel(flat, out, *params)
     else:
         out = _quantize_numpy(flat, fmt, *params)
-    return out.reshape(arr.shape).astype(arr.dtype, copy=False)
+    return out.reshape(arr.shape).astype(_result_dtype(arr.dtype, fmt), copy=False)
+
+
+def _result_dtype(dtype: np.dtype, fmt: FloatFormat) -> np.dtype:
+    """``dtype`` when it holds every value of ``fmt`` (float32 and float64 always do), else float32.
+
+    A 16-bit dtype (an ieee format with subnormals) holds ``fmt`` when ``fmt`` has no more mantissa
+    bits, no larger max and no finer spacing at the bottom of its range.
+    """
+    own = {"float16": FORMATS["fp16"], "bfloat16": FORMATS["bf16"]}.get(dtype.name)
+    if own is None:
+        return dtype
+    holds = fmt.mbits <= own.mbits and fmt.max <= own.max and fmt.emin - fmt.mbits >= own.emin - own.mbits
+    return dtype if holds else np.dtype(np.float32)
 
 
 @lru_cache(maxsize=64)
-def _table(dtype_key: str, fmt: FloatFormat, mode: int, saturate: bool) -> np.ndarray:
+def _table(dtype: np.dtype, fmt: FloatFormat, mode: int, saturate: bool) -> np.ndarray:
     """All 65,536 results for a 16-bit input dtype, indexed by the input's bit pattern."""
-    dtype = INPUT_DTYPES[1] if dtype_key == "bf16" else np.dtype(dtype_key)
     codes = np.arange(1 << 16, dtype=np.uint16).view(dtype)
     with np.errstate(invalid="ignore"):
         values = _quantize_numpy(codes.astype(np.float64), fmt, *_params(fmt, mode, saturate, 0))
-        return values.astype(dtype)
+    return values.astype(_result_dtype(dtype, fmt))
 
 
 def _params(fmt: FloatFormat, mode: int, saturate: bool, seed: int) -> tuple:
@@ -174,7 +201,7 @@ def backend() -> str:
 
 # -- argument checking ----------------------------------------------------------------------------
 def _rounding(rounding) -> int:
-    key = rounding.lower().replace("-", "_") if isinstance(rounding, str) else rounding
+    key = rounding.lower().replace("-", "_") if isinstance(rounding, str) else None
     key = _ALIASES.get(key, key)
     if key not in _MODE:
         raise PolyampError(f"unknown rounding {rounding!r}; accepted: {', '.join(ROUNDINGS)}")
@@ -198,21 +225,84 @@ def _seed(seed) -> int:
 
 
 def _as_float_array(x) -> np.ndarray:
+    """``x`` as a native-order float16/bfloat16/float32/float64 array holding its exact values."""
     if isinstance(x, (bool, np.bool_)):
         raise PolyampError(f"expected a floating-point array, got {x!r}")
-    if isinstance(x, (int, float)):
-        return np.asarray(float(x), dtype=np.float64)
+    if _is_number(x) and not isinstance(x, np.generic):
+        return np.asarray(exact_float64(x), dtype=np.float64)
     if type(x).__module__.split(".")[0] in ("torch", "tensorflow", "jax", "jaxlib", "mxnet"):
         raise PolyampError(
             f"quantize takes numpy arrays, got a {type(x).__module__}.{type(x).__name__}; "
             "convert it with np.asarray (or .numpy()) first"
         )
-    arr = np.asarray(x)
-    if arr.dtype.kind in "iu" and arr.dtype != object and not isinstance(x, np.ndarray):
-        arr = arr.astype(np.float64)  # a Python list of ints: numbers, not an integer tensor
-    if arr.dtype not in INPUT_DTYPES:
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError, OverflowError) as err:
         raise PolyampError(
-            f"expected a floating-point array, got dtype {arr.dtype}; accepted: "
+            f"cannot read {_brief(x)} as an array ({err}); accepted: a numpy array, a number, "
+            "or a rectangular (not ragged) nested list of numbers"
+        ) from None
+    if not isinstance(x, np.ndarray):  # a (nested) list of Python numbers, not an integer tensor
+        if arr.dtype.kind in "iu":
+            arr = _ints_as_float64(arr)
+        elif arr.dtype == object and all(_is_number(v) for v in arr.flat):  # huge ints, Fractions, ...
+            arr = np.array([exact_float64(v) for v in arr.flat], np.float64).reshape(arr.shape)
+    if arr.dtype.kind == "f" and not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    if arr.dtype not in INPUT_DTYPES:
+        what = "an object array (ragged, or not all numbers)" if arr.dtype == object else f"dtype {arr.dtype}"
+        raise PolyampError(
+            f"expected a floating-point array, got {what}; accepted: "
             + ", ".join(str(d) for d in INPUT_DTYPES)
+            + ", or (lists of) Python numbers"
         )
     return arr
+
+
+def _is_number(v) -> bool:
+    """A real Python or numpy number (int, float, Fraction, Decimal), not a bool."""
+    real = isinstance(v, (numbers.Rational, float, Decimal, np.floating))
+    return real and not isinstance(v, (bool, np.bool_))
+
+
+def _ints_as_float64(arr: np.ndarray) -> np.ndarray:
+    out = arr.astype(np.float64)
+    big = np.abs(out) > 2.0**53  # where float64 may have rounded the int
+    if big.any():
+        out[big] = [exact_float64(int(v)) for v in arr[big]]
+    return out
+
+
+def exact_float64(x) -> float:
+    """A float64 that every format rounds as it would round the exact Python number ``x``.
+
+    ``x`` itself when float64 holds it; otherwise its truncation to float64's 53 significant bits with
+    the last bit set (round to odd; then rounding to any format of <= 51 bits is correct), clamped to
+    float64's range (a finite value beyond it stays finite; a tiny non-zero one stays non-zero).
+    """
+    if isinstance(x, (float, np.floating)):
+        return float(x)
+    if isinstance(x, Decimal):
+        if x.is_nan():
+            return math.nan
+        if not x.is_finite() or x.is_zero():
+            return float(x)
+        if not -330 < x.adjusted() < 310:  # far outside float64's range: skip the huge Fraction
+            return (-1.0 if x.is_signed() else 1.0) * (sys.float_info.max if x.adjusted() > 0 else 5e-324)
+    q = Fraction(x)
+    sign, n, d = (-1.0 if q < 0 else 1.0), abs(q.numerator), q.denominator
+    if n == 0:
+        return 0.0
+    e = n.bit_length() - d.bit_length()  # floor(log2 |q|) is e or e - 1
+    if (n << max(-e, 0)) < (d << max(e, 0)):
+        e -= 1
+    if e > 1023:
+        return sign * sys.float_info.max
+    s = max(e, -1022) - 52  # float64's spacing at |q|
+    k, rest = divmod(n << max(-s, 0), d << max(s, 0))
+    return sign * math.ldexp(k | (rest != 0), s)
+
+
+def _brief(x) -> str:
+    text = repr(x)
+    return text if len(text) <= 60 else text[:57] + "..."
