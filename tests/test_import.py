@@ -7,13 +7,15 @@ import sys
 
 import pytest
 
-FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet", "keras")
+FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet", "keras", "jmp")
 
 
-def test_import_polyamp_imports_no_framework():
+@pytest.mark.parametrize("modules", ["polyamp, polyamp.numerics", "polyamp.policy, polyamp.scaling",
+                                     "polyamp.native"])  # fmt: skip
+def test_import_polyamp_imports_no_framework(modules):
     code = (
-        "import sys, polyamp, polyamp.numerics;"
-        "polyamp.quantize([1.0], 'e4m3fn');"
+        f"import sys, {modules};"
+        "import polyamp; polyamp.quantize([1.0], 'e4m3fn');"
         f"print(','.join(m for m in {FRAMEWORKS!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
