@@ -33,7 +33,7 @@ $(MXNET_STAMP): pyproject.toml Makefile
 	$(MXNET_PY) -m pip install --quiet -e ".[mxnet,dev]" "numpy<1.24" scikit-learn
 	touch $(MXNET_STAMP)
 
-# The main job: every installed framework, workload and policy side by side (about 3 minutes here).
+# The main job: every installed framework, workload and policy side by side (about 5 minutes here).
 demo: venv venv-mxnet
 	$(PY) -m polyamp cast 68.00000356923152 --to fp16,bf16,e4m3fn,e5m2,e2m1fn
 	$(PY) -m polyamp compare --out compare-report
