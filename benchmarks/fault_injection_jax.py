@@ -23,7 +23,7 @@ import optax
 from _fault import arguments, verdict  # benchmarks/_fault.py (this folder is on sys.path)
 
 import polyamp as pa
-from polyamp.backends.jax import apply_if_finite
+from polyamp.backends.jax import step_if_finite
 
 
 @jax.custom_vjp
@@ -55,7 +55,7 @@ def main() -> int:
     @jax.jit
     def step(params, opt_state, state, faults, x):
         (_, grads), finite, state = value_and_grad(params, faults, x, state=state)
-        params, opt_state = apply_if_finite(finite, optimizer, grads, opt_state, params)
+        params, opt_state = step_if_finite(finite, optimizer, grads, opt_state, params)
         return params, opt_state, state, finite
 
     opt_state, state = optimizer.init(params), mp.init()

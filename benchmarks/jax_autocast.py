@@ -12,7 +12,7 @@ networks, weights and batches (``polyamp/compare/jax.py``):
 - ``hand bf16``: every matmul written as ``jnp.matmul(a.astype(bf16), b.astype(bf16),
   preferred_element_type=float32)``, the rest float32;
 - ``polyamp``: ``mp.autocast(loss)`` with ``bf16-mixed`` (no source changes);
-- ``polyamp+guard``: ``mp.value_and_grad(mp.autocast(loss))`` plus ``apply_if_finite``: the
+- ``polyamp+guard``: ``mp.value_and_grad(mp.autocast(loss))`` plus ``step_if_finite``: the
   finite check, the loss-scale state update and the ``lax.cond`` that skips a bad step;
 - ``polyamp+select``: the same with the skip as a select of the stepped and the old
   params/optimizer state (``select_tree``), the alternative without donation.
@@ -41,7 +41,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 import polyamp as pa
-from polyamp.backends.jax import apply_if_finite, select_tree
+from polyamp.backends.jax import select_tree, step_if_finite
 from polyamp.compare import jax as cj
 from polyamp.compare.workloads import get_workload
 
@@ -72,7 +72,7 @@ def contenders(wl):
         "naive bf16": (lambda p, x, y: loss(to_bf16(p), to_bf16(x), y), None, None),
         "hand bf16": (functools.partial(cj.loss_fn, wl, mm=hand_mm), None, None),
         "polyamp": (mp.autocast(loss), None, None),
-        "polyamp+guard": (mp.autocast(loss), mp, apply_if_finite),
+        "polyamp+guard": (mp.autocast(loss), mp, step_if_finite),
         "polyamp+select": (mp.autocast(loss), mp, select_if_finite),
     }
 

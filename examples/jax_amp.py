@@ -23,7 +23,7 @@ import optax
 from jax.extend import core as jcore
 
 import polyamp as pa
-from polyamp.backends.jax import apply_if_finite
+from polyamp.backends.jax import step_if_finite
 
 REDUCTIONS = {"reduce_sum", "reduce_max", "exp", "log", "rsqrt", "cumsum"}
 
@@ -76,12 +76,12 @@ def train(policy: str, steps: int, overflow_every: int = 10) -> dict:
     value_and_grad = mp.value_and_grad(mp.autocast(loss_fn))
     optimizer = optax.adam(3e-3)
 
-    # params, optimizer and scale state are donated, so XLA updates them in place (apply_if_finite
+    # params, optimizer and scale state are donated, so XLA updates them in place (step_if_finite
     # is fastest that way; see its docstring)
     @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
     def step(params, opt_state, scale_state, x, y):
         (loss, grads), finite, scale_state = value_and_grad(params, x, y, state=scale_state)
-        params, opt_state = apply_if_finite(finite, optimizer, grads, opt_state, params)
+        params, opt_state = step_if_finite(finite, optimizer, grads, opt_state, params)
         return params, opt_state, scale_state, loss, finite
 
     params = init_params()

@@ -21,7 +21,7 @@ import optax  # noqa: E402
 
 import polyamp as pa  # noqa: E402
 from polyamp import NonFiniteError, PolyampError  # noqa: E402
-from polyamp.backends.jax import ScaleState, apply_if_finite, select_tree  # noqa: E402
+from polyamp.backends.jax import ScaleState, select_tree, step_if_finite  # noqa: E402
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
@@ -63,7 +63,7 @@ def make_step(mp, optimizer):
     @jax.jit
     def step(params, opt_state, state, faults, x, y):
         (loss, grads), finite, state = value_and_grad(params, faults, x, y, state=state)
-        params, opt_state = apply_if_finite(finite, optimizer, grads, opt_state, params)
+        params, opt_state = step_if_finite(finite, optimizer, grads, opt_state, params)
         return params, opt_state, state, loss, finite
 
     return step
@@ -217,15 +217,15 @@ def test_too_many_consecutive_skips_raise_at_sync():
         mp.sync(state.update(jnp.asarray(False)))
 
 
-def test_select_tree_and_apply_if_finite():
+def test_select_tree_and_step_if_finite():
     a, b = {"x": jnp.ones(3), "n": jnp.arange(2)}, {"x": jnp.zeros(3), "n": jnp.arange(2) + 5}
     assert np.array_equal(select_tree(jnp.asarray(False), a, b)["n"], [5, 6])
     p, (x, y) = init(), batch()
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
     grads = jax.grad(loss_fn)(p, x, y)
     opt_state = optimizer.init(p)
-    kept, _ = apply_if_finite(jnp.asarray(False), optimizer, grads, opt_state, p)
-    stepped, _ = apply_if_finite(jnp.asarray(True), optimizer, grads, opt_state, p)
+    kept, _ = step_if_finite(jnp.asarray(False), optimizer, grads, opt_state, p)
+    stepped, _ = step_if_finite(jnp.asarray(True), optimizer, grads, opt_state, p)
 
     @jax.jit  # compiled as the branch is, so XLA fuses (and rounds) the update the same way
     def update(grads, opt_state, p):

@@ -509,3 +509,29 @@ def test_a_transposed_result_of_a_moved_dot_compiles():
     got = jax.jit(mp_for().autocast(lambda a, b: inner(a, b).T))(a, b)
     expected = (a.astype(BF16).astype(F32).T @ b.astype(BF16).astype(F32)).T
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-4)
+
+
+def installed_primitive_names():
+    """The name of every ``Primitive`` object defined in the installed JAX's modules."""
+    import importlib
+    import pkgutil
+    import sys
+
+    import jax._src
+
+    for info in pkgutil.walk_packages(jax._src.__path__, "jax._src."):
+        try:
+            importlib.import_module(info.name)
+        except Exception:  # optional back ends (GPU, TPU plugins) that this machine lacks
+            continue
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("jax") and m is not None]
+    return {v.name for m in modules for v in list(vars(m).values()) if isinstance(v, jcore.Primitive)}
+
+
+def test_every_primitive_the_rules_name_exists_in_this_jax():
+    """The rule table is written against the JAX range pyproject pins: a primitive renamed or
+    removed in another version would silently stop following its rule, so this fails instead."""
+    names = installed_primitive_names()
+    assert {"dot_general", "reduce_sum", "exp", "add"} <= names  # the walk found the primitives
+    table = set().union(*(getattr(DEFAULT_RULES, cls) for cls in jax_autocast.CLASSES))
+    assert sorted(table - names) == []

@@ -18,7 +18,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import polyamp as pa
-    from polyamp.backends.jax import apply_if_finite
+    from polyamp.backends.jax import step_if_finite
 
     assert len(jax.devices()) == 2, jax.devices()
     mesh = jax.make_mesh((2,), ("data",))
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
         def local(params, opt_state, state, x, y):
             (_, grads), finite, state = value_and_grad(params, x, y, state=state)
             grads = jax.lax.pmean(grads, "data")
-            params, opt_state = apply_if_finite(finite, opt, grads, opt_state, params)
+            params, opt_state = step_if_finite(finite, opt, grads, opt_state, params)
             per_device = lambda tree: jax.tree.map(lambda a: a[None], tree)
             return per_device(params), per_device(state.arrays()), finite[None]
 
@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent(
     def pmap_local(params, opt_state, state, x, y):
         (_, grads), finite, state = value_and_grad(params, x, y, state=state)
         grads = jax.lax.pmean(grads, "data")
-        params, opt_state = apply_if_finite(finite, opt, grads, opt_state, params)
+        params, opt_state = step_if_finite(finite, opt, grads, opt_state, params)
         return params, state.arrays(), finite
 
     pmap_step = jax.pmap(pmap_local, axis_name="data", in_axes=(None, None, None, 0, 0))
@@ -103,7 +103,7 @@ SCRIPT = textwrap.dedent(
     @jax.jit
     def sharded_step(params, opt_state, state, x, y):
         (_, grads), finite, state = value_and_grad(params, x, y, state=state)
-        params, opt_state = apply_if_finite(finite, opt, grads, opt_state, params)
+        params, opt_state = step_if_finite(finite, opt, grads, opt_state, params)
         return params, opt_state, state, finite
 
     p0 = jax.device_put(params, replicated)

@@ -126,11 +126,6 @@ class Policy:
         """True when computation runs in another dtype than the parameters are stored in."""
         return self.param_dtype != self.compute_dtype
 
-    @property
-    def low_dtype(self) -> str:
-        """The dtype computation runs in."""
-        return self.compute_dtype
-
     def __str__(self) -> str:
         return self.name
 

@@ -23,14 +23,6 @@ class Backend:
     def _unsupported(self, what: str) -> PolyampError:
         return PolyampError(f"{what} is not supported by the {self.name} backend")
 
-    # -- tensors ----------------------------------------------------------------------------------
-    def is_tensor(self, x: Any) -> bool:
-        raise self._unsupported("is_tensor")
-
-    def cast(self, x: Any, dtype: str) -> Any:
-        """Cast a floating tensor to ``dtype`` ('float32', 'bfloat16', 'float16')."""
-        raise self._unsupported("cast")
-
     def check_device(self, device: str | None) -> None:
         """PolyampError unless ``device`` names a device this framework can autocast on."""
 
@@ -134,11 +126,3 @@ class Backend:
         """Install hooks that append to ``origin`` where a non-finite value first appears
         (forward output or gradient); returns handles that remove them."""
         raise self._unsupported("watch_nonfinite")
-
-    # -- measurement ----------------------------------------------------------------------------
-    def synchronize(self) -> None:
-        """Wait for queued device work (no-op on CPU)."""
-
-    def peak_memory(self) -> int | None:
-        """Peak device memory in bytes where the framework tracks it, else None."""
-        return None

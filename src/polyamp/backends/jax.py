@@ -3,7 +3,7 @@
     f = mp.autocast(loss_fn)                      # matmuls bf16 in / f32 accumulate, reductions f32
     state = mp.init()                             # ScaleState pytree (mp.state, as arrays)
     (loss, grads), finite, state = mp.value_and_grad(f)(params, batch, state=state)
-    params, opt_state = apply_if_finite(finite, optimizer, grads, opt_state, params)
+    params, opt_state = step_if_finite(finite, optimizer, grads, opt_state, params)
 
 ``mp.grad(fn, argnums=0, has_aux=False, axis_name=None)(*args, state=state)`` returns
 ``(grads, finite, new_state)`` (``((grads, aux), ...)`` with ``has_aux=True``);
@@ -87,14 +87,14 @@ def cast_tree(tree, dtype: str):
                         else x, tree)  # fmt: skip
 
 
-def apply_if_finite(finite, optimizer, grads, opt_state, params):
+def step_if_finite(finite, optimizer, grads, opt_state, params):
     """Run an optax ``optimizer`` update only if ``finite``; ``(params, opt_state)`` either way.
 
     A ``lax.cond`` on the device, so the step stays in one ``jit`` (under ``vmap`` it becomes a
     select). With params and optimizer state donated to the step, XLA updates them in place under
-    the ``cond``, where a select of the stepped and the old trees keeps both alive: on this
-    project's CPU the select added 41 % to a 25M-parameter MLP step, the ``cond`` 6 %
-    (benchmarks/jax_autocast.py; without donation 19 % and 12 %).
+    the ``cond``, where a select of the stepped and the old trees keeps both alive
+    (``select_tree``; docs/BENCHMARKS.md compares the two). Named apart from optax's
+    ``apply_if_finite``, a gradient transformation with another meaning.
     """
     import optax
 
@@ -114,12 +114,6 @@ def all_finite(tree):
 
 class JaxBackend(Backend):
     name = "jax"
-
-    def is_tensor(self, x) -> bool:
-        return isinstance(x, jax.Array)
-
-    def cast(self, x, dtype: str):
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     def autocast(self, policy, device):
         raise PolyampError("JAX has no autocast context; rewrite the function instead: "
@@ -216,7 +210,7 @@ def _functional(call: str) -> PolyampError:
     return PolyampError(
         f"JAX is functional: instead of {call}, use (loss, grads), finite, state = "
         "mp.value_and_grad(loss_fn)(params, batch, state=state) and polyamp.backends.jax."
-        "apply_if_finite(finite, optimizer, grads, opt_state, params)"
+        "step_if_finite(finite, optimizer, grads, opt_state, params)"
     )
 
 
@@ -272,5 +266,5 @@ def _probe(dtype: str, backend: str) -> None:
 
 BACKEND = JaxBackend()
 
-__all__ = ["BACKEND", "DEFAULT_RULES", "AutocastRules", "ScaleState", "all_finite", "apply_if_finite",
+__all__ = ["BACKEND", "DEFAULT_RULES", "AutocastRules", "ScaleState", "all_finite", "step_if_finite",
            "cast_tree", "select_tree"]  # fmt: skip

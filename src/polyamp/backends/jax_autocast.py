@@ -48,7 +48,7 @@ _REDUCTIONS = ("reduce_sum reduce_prod reduce_max reduce_min argmax argmin cumsu
                "pmax pmin reduce_scatter")  # fmt: skip
 _FP32_MATH = ("exp exp2 expm1 log log1p logistic rsqrt sqrt cbrt pow tan sinh cosh acos asin atan acosh "
               "asinh atanh erfc erf_inv lgamma digamma polygamma zeta igamma igammac igamma_grad_a "
-              "random_gamma_grad bessel_i0e bessel_i1e regularized_incomplete_beta")  # fmt: skip
+              "bessel_i0e bessel_i1e regularized_incomplete_beta")  # fmt: skip
 _LINALG = (
     "cholesky cholesky_update eig eigh lu qr svd schur triangular_solve tridiagonal_solve hessenberg fft"
 )
@@ -60,8 +60,8 @@ _FOLLOW = (
     "add_any mulhi "
     # structural
     "convert_element_type reduce_precision bitcast_convert_type broadcast_in_dim reshape transpose "
-    "squeeze expand_dims slice dynamic_slice dynamic_update_slice gather concatenate pad rev split "
-    "iota copy copy_p stop_gradient name sort top_k approx_top_k reduce_and reduce_or reduce_xor "
+    "squeeze slice dynamic_slice dynamic_update_slice gather concatenate pad rev split "
+    "iota copy stop_gradient name sort top_k approx_top_k reduce_and reduce_or reduce_xor "
     "sharding_constraint layout_constraint with_memory_space_constraint reshard pin unpin "
     "all_gather all_gather_invariant ppermute all_to_all pbroadcast axis_index tile zeros_like "
     "random_bits random_seed random_wrap random_unwrap random_split random_fold_in threefry2x32 "
@@ -494,5 +494,4 @@ def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES
         outs = _cast_all(outs, [a.dtype for a in closed.out_avals])
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
-    autocast_fn.polyamp_rules = rules
     return autocast_fn

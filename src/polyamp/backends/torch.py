@@ -81,12 +81,6 @@ class TorchBackend(Backend):
             return False
         return all(ref() is g and g._version == v for g, (ref, v) in zip(grads, fingerprint))
 
-    def is_tensor(self, x: Any) -> bool:
-        return isinstance(x, torch.Tensor)
-
-    def cast(self, x, dtype: str):
-        return x.to(_DTYPES[dtype]) if x.is_floating_point() else x
-
     # -- autocast ----------------------------------------------------------------------------------
     def autocast(self, policy, device: str | None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -203,14 +197,6 @@ class TorchBackend(Backend):
         handles += [p.register_hook(grad_hook(n)) for n, p in model.named_parameters()
                     if p.requires_grad]  # fmt: skip
         return handles
-
-    # -- measurement -------------------------------------------------------------------------------
-    def synchronize(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    def peak_memory(self) -> int | None:
-        return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
 
 def _all_finite(output) -> bool:

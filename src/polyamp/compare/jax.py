@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..backends.jax import apply_if_finite
+from ..backends.jax import step_if_finite
 from ..training import MixedPrecision, StepResult
 from .workloads import Workload
 
@@ -108,7 +108,7 @@ class Trainer:
 
         def train_step(params, opt_state, state, x, y):
             (value, grads), finite, state = value_and_grad(params, x, y, state=state)
-            params, opt_state = apply_if_finite(finite, opt, grads, opt_state, params)
+            params, opt_state = step_if_finite(finite, opt, grads, opt_state, params)
             return params, opt_state, state, value, finite
 
         # compiled here, with the first batch's shapes, so that the step budget times training;
