@@ -95,19 +95,18 @@ _STATE_MINIMA = {"good_steps": -(2**31), "hysteresis_left": 1, "skipped_in_a_row
                  "skipped": 0}  # fmt: skip
 
 
-def _counted(state: LossScaleState, finite: bool, **changes: Any) -> LossScaleState:
-    """The counters every loss scale keeps, plus ``changes``."""
-    counters = {
-        "good_steps": state.good_steps + 1 if finite else 0,
-        "skipped_in_a_row": 0 if finite else state.skipped_in_a_row + 1,
-        "steps": state.steps + 1,
-        "skipped": state.skipped + (not finite),
-    }
-    return LossScaleState(**{**state.as_dict(), **counters, **changes})
+class _Host:
+    """The array namespace of the update rule for plain Python numbers (the eager, host path)."""
+
+    @staticmethod
+    def where(cond, a, b):
+        return a if cond else b
+
+    minimum, maximum, isfinite = staticmethod(min), staticmethod(max), staticmethod(math.isfinite)
 
 
-def _counted_arrays(state: dict, finite, xp) -> dict:
-    """The counters of :func:`_counted`, with array selects."""
+def _counters(state: dict, finite, xp) -> dict:
+    """The counters every loss scale keeps, written once for every namespace (selects, no branch)."""
     return {
         "good_steps": xp.where(finite, state["good_steps"] + 1, 0),
         "skipped_in_a_row": xp.where(finite, 0, state["skipped_in_a_row"] + 1),
@@ -186,20 +185,34 @@ class _LossScale:
             raise PolyampError(f"the 'mxnet' loss-scale preset (one_step_lag) has no {form} form; use "
                                "another preset, e.g. 'polyamp' or 'torch'")  # fmt: skip
 
+    def _rule(self, state: dict, finite, xp, const: Callable, fit: Callable) -> dict:
+        """The new state's fields, written once for every array namespace ``xp`` (selects, no
+        branch): here the counters only; the dynamic scale adds its rule. ``const`` makes a
+        constant of the scale's type and ``fit`` rounds a new scale to it."""
+        return {**state, **_counters(state, finite, xp)}
+
     def update(self, state: LossScaleState, finite: bool) -> LossScaleState:
-        """Count the step; the scale does not change (the dynamic scale overrides this)."""
+        """The state after one step whose gradients were ``finite`` or not (pure; the rule runs
+        on Python numbers)."""
         _check_state(state)
-        return _counted(state, _finite_flag(finite))
+        new = self._rule(state.as_dict(), _finite_flag(finite), _Host, float, float)
+        return LossScaleState(**new)
 
     def update_arrays(self, state: dict, finite, xp) -> dict:
-        """:meth:`update` written with array operations only, for inside ``jit``/``tf.function``.
+        """:meth:`update`'s rule on arrays, for inside ``jit``/``tf.function``.
 
         ``state`` maps the fields of :class:`LossScaleState` (less ``next_scale``) to 0-d arrays
         (the scale as float32); ``finite`` is a 0-d bool array; ``xp`` is the array namespace
-        (``numpy``, ``jax.numpy``, ``tensorflow.experimental.numpy``). Selects replace branches,
-        so the whole step stays in one compiled graph; the result equals :meth:`update`'s.
+        (``numpy``, ``jax.numpy``, or one with ``where``, ``minimum``, ``maximum``, ``isfinite``,
+        ``abs``, ``zeros_like`` and ``asarray``). The same rule as :meth:`update`, so the whole
+        step stays in one compiled graph.
         """
-        return {**state, **_counted_arrays(state, finite, xp)}
+        dtype = state["scale"].dtype
+        return self._rule(state, finite, xp, lambda v: xp.asarray(v, dtype=dtype), self._fit(xp))
+
+    def _fit(self, xp) -> Callable:
+        """How a new array scale is rounded: float32 arithmetic already rounds; nothing more here."""
+        return lambda x: x
 
     def check(self, state: LossScaleState, where: str | None = None, nonfinite: tuple[str, ...] = (),
               skipped_before: int | None = None) -> None:  # fmt: skip
@@ -414,36 +427,39 @@ class DynamicLossScale(_LossScale):
         finite = _finite_flag(finite)
         lagged = self.one_step_lag and state.next_scale is not None
         base = state.next_scale if lagged else state.scale
-        hysteresis_left = state.hysteresis_left
-        good_steps = state.good_steps + 1 if finite else -self.growth_delay
-        new = base
-        if finite:
-            if self.consecutive_hysteresis:
-                hysteresis_left = self.hysteresis
-            if good_steps >= self.growth_interval:
-                grown = self._round(min(base * self.growth_factor, self.max_scale))
-                if self.allow_inf_scale or math.isfinite(grown):
-                    new = grown
-                good_steps = 0
-                hysteresis_left = self.hysteresis
-        elif hysteresis_left > 1:
-            hysteresis_left -= 1
-        else:
-            new = self._round(max(base * self.backoff_factor, self.min_scale))
-        scale, next_scale = (base, new) if self.one_step_lag else (new, None)
+        new = self._rule({**state.as_dict(), "scale": base}, finite, _Host, float, self._round)
+        scale, next_scale = (base, new["scale"]) if self.one_step_lag else (new["scale"], None)
         if scale < 1 <= state.scale:
             warnings.warn(_BELOW_ONE, RuntimeWarning, stacklevel=2)
-        return _counted(
-            state,
-            finite,
-            scale=scale,
-            next_scale=next_scale,
-            good_steps=good_steps,
-            hysteresis_left=hysteresis_left,
-        )
+        return LossScaleState(**{**new, "scale": scale, "next_scale": next_scale})
+
+    def _rule(self, state: dict, finite, xp, const: Callable, fit: Callable) -> dict:
+        """The rule of :meth:`update`, once, with selects (see ``_LossScale._rule``)."""
+        scale, hyst = state["scale"], state["hysteresis_left"]
+        good = xp.where(finite, state["good_steps"] + 1, -self.growth_delay)
+        grows = good >= self.growth_interval  # only ever on a finite step: growth_delay >= 0
+        grown = fit(xp.minimum(scale * const(self.growth_factor), const(self.max_scale)))
+        if not self.allow_inf_scale:
+            grown = xp.where(xp.isfinite(grown), grown, scale)
+        shrunk = fit(xp.maximum(scale * const(self.backoff_factor), const(self.min_scale)))
+        backs = xp.where(finite, False, hyst <= 1)
+        kept = self.hysteresis if self.consecutive_hysteresis else hyst
+        return {
+            **state,
+            **_counters(state, finite, xp),
+            "scale": xp.where(grows, grown, xp.where(backs, shrunk, scale)),
+            "good_steps": xp.where(grows, 0, good),
+            "hysteresis_left": xp.where(grows, self.hysteresis,
+                                        xp.where(finite, kept, xp.where(hyst > 1, hyst - 1, hyst))),
+        }  # fmt: skip
+
+    def _fit(self, xp) -> Callable:
+        if self.scale_dtype != "float32-ftz":
+            return lambda x: x
+        return lambda x: xp.where(xp.abs(x) < _F32_TINY, xp.zeros_like(x), x)
 
     def update_arrays(self, state: dict, finite, xp) -> dict:
-        """The rule of :meth:`update` with array selects (see ``_LossScale.update_arrays``).
+        """The rule of :meth:`update` on arrays (see ``_LossScale.update_arrays``).
 
         The scale is float32 here, which is what the torch, keras and jmp presets model anyway
         (``float32-ftz`` also flushes a subnormal scale to 0). What holds: the result equals
@@ -454,29 +470,7 @@ class DynamicLossScale(_LossScale):
         ``one_step_lag`` (MXNet, an eager framework) has no traced form.
         """
         self.check_traceable()
-        scale, good, hyst = state["scale"], state["good_steps"], state["hysteresis_left"]
-        good = xp.where(finite, good + 1, -self.growth_delay)
-        if self.consecutive_hysteresis:
-            hyst = xp.where(finite, self.hysteresis, hyst)
-        grow = finite & (good >= self.growth_interval)
-
-        def as_scale(value):  # numpy < 2 would promote a float32 scale times a float to float64
-            return xp.asarray(value, dtype=scale.dtype)
-
-        grown = xp.minimum(scale * as_scale(self.growth_factor), as_scale(self.max_scale))
-        if not self.allow_inf_scale:
-            grown = xp.where(xp.isfinite(grown), grown, scale)
-        new = xp.where(grow, grown, scale)
-        good = xp.where(grow, 0, good)
-        hyst = xp.where(grow, self.hysteresis, hyst)
-        back = ~finite & (hyst <= 1)
-        shrunk = xp.maximum(scale * as_scale(self.backoff_factor), as_scale(self.min_scale))
-        new = xp.where(back, shrunk, new)
-        if self.scale_dtype == "float32-ftz":
-            new = xp.where(xp.abs(new) < _F32_TINY, xp.zeros_like(new), new)
-        hyst = xp.where(~finite & (hyst > 1), hyst - 1, hyst)
-        counters = _counted_arrays(state, finite, xp)
-        return {**state, **counters, "scale": new, "good_steps": good, "hysteresis_left": hyst}
+        return super().update_arrays(state, finite, xp)
 
 
 _INF = math.inf
