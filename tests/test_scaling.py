@@ -692,3 +692,30 @@ def test_update_arrays_with_factor_3_equals_update_for_float32_scales_only():
                 arrays = ls.update_arrays(arrays, np.asarray(finite), np)
                 same = same and state_from_arrays(arrays) == state
         assert same == equal, dtype
+
+
+def test_a_custom_loss_scale_missing_a_member_is_refused_when_passed_in():
+    import polyamp as pa
+    from polyamp.scaling import LOSS_SCALE_MEMBERS, LossScale
+
+    class Partial:  # the three members the step calls, not what checkpoints and traced steps use
+        def init(self):
+            return LossScaleState(scale=8.0)
+
+        def update(self, state, finite):
+            return state
+
+        def check(self, state, where=None):
+            pass
+
+    with pytest.raises(PolyampError, match="Partial lacks kind, max_consecutive_skips, update_arrays, "
+                                           "check_traceable, state_dict, load_state, as_dict"):  # fmt: skip
+        pa.MixedPrecision("fp16-mixed", loss_scale=Partial())
+
+    @dataclasses.dataclass(frozen=True)
+    class Halving(StaticLossScale):  # a subclass has every member
+        scale: float = 8.0
+
+    mp = pa.MixedPrecision("fp16-mixed", loss_scale=Halving())
+    assert mp.current_scale == 8.0 and isinstance(mp.loss_scale, LossScale)
+    assert all(hasattr(DynamicLossScale(), m) for m in LOSS_SCALE_MEMBERS)

@@ -8,7 +8,7 @@ from .errors import NonFiniteError, PolyampError, UnsupportedError
 from .native import from_native, to_native
 from .numerics import FORMATS, ROUNDINGS, FloatFormat, decode, encode, get_format, quantize
 from .policy import Policy
-from .scaling import DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale
+from .scaling import DynamicLossScale, LossScale, LossScaleState, NoLossScale, StaticLossScale
 from .training import MixedPrecision, StepResult
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ __all__ = [
     "ROUNDINGS",
     "DynamicLossScale",
     "FloatFormat",
+    "LossScale",
     "LossScaleState",
     "MixedPrecision",
     "NoLossScale",

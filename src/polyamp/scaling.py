@@ -22,7 +22,7 @@ import numbers
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -544,6 +544,42 @@ _PRESETS: dict[str, dict[str, Any]] = {
         "one_step_lag": True,
     },
 }
+
+@runtime_checkable
+class LossScale(Protocol):
+    """What polyamp uses of a loss scale; ``NoLossScale``, ``StaticLossScale`` and
+    ``DynamicLossScale`` implement it, and so must a custom one (checked by ``check_loss_scale``).
+    A JAX run also needs it hashable (it is static data of the state pytree)."""
+
+    kind: str
+    max_consecutive_skips: int | None
+
+    def init(self) -> LossScaleState: ...
+    def update(self, state: LossScaleState, finite: bool) -> LossScaleState: ...
+    def update_arrays(self, state: dict, finite: Any, xp: Any) -> dict: ...
+    def check(self, state: LossScaleState, where: str | None = None, nonfinite: tuple[str, ...] = (),
+              skipped_before: int | None = None) -> None: ...  # fmt: skip
+    def check_traceable(self, form: str = "traced") -> None: ...
+    def state_dict(self, state: LossScaleState) -> dict[str, Any]: ...
+    def load_state(self, data: dict[str, Any]) -> LossScaleState: ...
+    def as_dict(self) -> dict[str, Any]: ...
+
+
+LOSS_SCALE_MEMBERS = ("kind", "max_consecutive_skips", "init", "update", "update_arrays", "check",
+                      "check_traceable", "state_dict", "load_state", "as_dict")  # fmt: skip
+
+
+def check_loss_scale(obj: Any) -> LossScale:
+    """``obj`` when it has every member of :class:`LossScale`, else PolyampError naming the missing."""
+    missing = [name for name in LOSS_SCALE_MEMBERS if not hasattr(obj, name)]
+    if missing:
+        raise PolyampError(
+            f"a loss-scale object needs every member of polyamp.scaling.LossScale; "
+            f"{type(obj).__name__} lacks {', '.join(missing)} (subclassing DynamicLossScale, "
+            "StaticLossScale or NoLossScale provides them)"
+        )
+    return obj
+
 
 _KINDS = {cls.kind: cls for cls in (NoLossScale, StaticLossScale, DynamicLossScale)}
 

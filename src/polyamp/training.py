@@ -23,7 +23,7 @@ from .backends import canonical_framework, detect, get_backend, imported_framewo
 from .errors import PolyampError
 from .native import from_native, to_native
 from .policy import Policy
-from .scaling import DynamicLossScale, NoLossScale, StaticLossScale, _number
+from .scaling import PRESETS, DynamicLossScale, NoLossScale, StaticLossScale, _number, check_loss_scale
 
 
 def check_clip_norm(value) -> None:
@@ -73,11 +73,11 @@ def make_loss_scale(spec, policy: Policy):
         return DynamicLossScale() if spec == "dynamic" else DynamicLossScale.preset(spec)
     if isinstance(spec, (int, float)) and not isinstance(spec, bool):
         return StaticLossScale(float(spec))
-    if all(hasattr(spec, attr) for attr in ("init", "update", "check")):
-        return spec
+    if any(hasattr(spec, member) for member in ("init", "update", "update_arrays")):
+        return check_loss_scale(spec)
     raise PolyampError(
         f"unknown loss_scale {spec!r}; accepted: None, 'dynamic', 'none', a preset name "
-        "('polyamp', 'torch', 'keras', 'jmp', 'deepspeed', 'mxnet'), a number, or a loss-scale object"
+        f"({', '.join(map(repr, PRESETS))}), a number, or a loss-scale object (polyamp.scaling.LossScale)"
     )
 
 
