@@ -3,17 +3,22 @@
     .venv-mxnet/bin/python benchmarks/overhead_mxnet.py [--repeats 7] [--models mlp,charlm]
 
 The networks are the compare workloads (``polyamp.compare.mxnet``: MLP 1024-4096-4096-1024 on
-batch 256; the 2-layer character transformer, d=256, on 32 x 64 tokens), every contender with its
-own copy of the same weights, fed the same batch, Adam. bf16 AMP is process-wide in MXNet, so all
-contenders share one ``amp.init(target_dtype="bfloat16")``; their steps alternate in one process
-(native, polyamp, ...), each timed to ``mx.nd.waitall()`` (MXNet's engine is asynchronous),
-and the medians follow one warm-up step each. Contenders:
-- native: ``amp.init_trainer(trainer)``, ``amp.scale_loss``, ``trainer.step`` (contrib.amp's
-  loss scaler, 2^16, with its ``multi_all_finite`` overflow check): what contrib.amp users run;
+batch 256; the 2-layer character transformer, d=256, on 32 x 64 tokens), Adam. bf16 AMP is
+process-wide in MXNet, so all contenders share one ``amp.init(target_dtype="bfloat16")``. They
+also share ONE network, ``gluon.Trainer`` and Adam state, and take turns stepping it: Adam's update
+streams the weight, gradient, mean and variance arrays together, and its speed depends on where
+those four sit in memory (the same values copied elsewhere took 68-319 ms for the MLP's middle
+layer), so with a network per contender its allocation, not its step, decided the ratios. Their
+steps alternate in rounds (each round starting at the next contender), each timed to
+``mx.nd.waitall()`` (MXNet's engine is asynchronous); the medians follow one warm-up step each.
+Contenders:
+- native: ``amp.init_trainer``'s loss scaler (2^16, ``multi_all_finite`` overflow check),
+  ``amp.scale_loss``, ``trainer.step``: what contrib.amp users run; the scaler is attached to the
+  shared trainer for this contender's steps only;
 - polyamp: ``MixedPrecision("bf16-mixed")`` (no loss scale; every step guarded);
 - polyamp, mxnet scaler: ``loss_scale="mxnet"``, the same dynamic loss scaling as native;
-- native, no scaler: ``amp.init`` and a plain ``trainer.step``: no check at all, the floor.
-Ratios are polyamp / native (< 1: polyamp faster); "ms after bwd" is the median of the step's
+- native, no scaler: a plain ``trainer.step``: no check at all, the floor.
+Ratios are contender / native (< 1: faster); "ms after bwd" is the median of the step's
 optimizer part alone (check, unscale, update), timed from the finished backward pass.
 """
 
@@ -92,23 +97,29 @@ def polyamp_step(mp, trainer, loss_fn) -> float:
 
 
 def contenders(wl):
-    out = {}
-    for name in ("native", "polyamp", "polyamp, mxnet scaler", "native, no scaler"):
-        net, loss_fn = network(wl)
-        trainer = gluon.Trainer(
-            net.collect_params(), "adam", {"learning_rate": wl.lr}, update_on_kvstore=False
-        )
-        if name.startswith("native"):
-            scaler = name == "native"
-            if scaler:
-                amp.init_trainer(trainer)
-            out[name] = lambda t=trainer, f=loss_fn, s=scaler: native_step(t, f, s)
-        else:
-            mp = pa.MixedPrecision("bf16-mixed", framework="mxnet",
-                                   loss_scale="mxnet" if "scaler" in name else None)  # fmt: skip
-            trainer = mp.trainer(trainer)
-            out[name] = lambda mp=mp, t=trainer, f=loss_fn: polyamp_step(mp, t, f)
-    return out
+    """The four contenders' steps, over one network, trainer and Adam state (module docstring)."""
+    net, loss_fn = network(wl)
+    trainer = gluon.Trainer(net.collect_params(), "adam", {"learning_rate": wl.lr}, update_on_kvstore=False)
+    guarded = pa.MixedPrecision("bf16-mixed", framework="mxnet")
+    scaled = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale="mxnet")
+    guarded.trainer(trainer)  # polyamp refuses a trainer that carries contrib.amp's scaler,
+    scaled.trainer(trainer)
+    amp.init_trainer(trainer)  # so the scaler is made here and attached only for native's steps
+    scaler, trainer._amp_loss_scaler = trainer._amp_loss_scaler, None
+
+    def native():
+        trainer._amp_loss_scaler = scaler
+        try:
+            return native_step(trainer, loss_fn, scaler=True)
+        finally:  # amp.scale_loss set the trainer's gradient rescale to 1/loss scale
+            trainer._amp_loss_scaler, trainer._scale = None, trainer._amp_original_scale
+
+    return {
+        "native": native,
+        "polyamp": lambda: polyamp_step(guarded, trainer, loss_fn),
+        "polyamp, mxnet scaler": lambda: polyamp_step(scaled, trainer, loss_fn),
+        "native, no scaler": lambda: native_step(trainer, loss_fn, scaler=False),
+    }
 
 
 def waited(step, parts: list):
@@ -135,7 +146,9 @@ def main() -> None:
     for model in args.models.split(","):
         steps = contenders(get_workload(model))
         step_part = {name: [] for name in steps}
-        median = alternate({name: waited(fn, step_part[name]) for name, fn in steps.items()}, args.repeats)
+        median = alternate(
+            {name: waited(fn, step_part[name]) for name, fn in steps.items()}, args.repeats, rotate=True
+        )
         part = {name: statistics.median(ts[1:]) for name, ts in step_part.items()}  # [0]: warm-up
         for name, seconds in median.items():
             print(f"{model:8s} {name:24s} {seconds * 1e3:9.1f} {seconds / median['native']:10.3f} "

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -392,6 +393,40 @@ def test_nan_loss_every_step_raises_after_max_consecutive_skips():
     backward(mp, net, trainer, x, y)
     with pytest.raises(NonFiniteError, match=r"5 consecutive steps.*dense\d+_weight"):
         mp.step(trainer, 32)
+
+
+def test_the_guard_costs_no_more_than_the_scalers_check(tmp_path):
+    """Counted by MXNet's profiler over one step each, beyond the unguarded step (guard=False):
+    the guard queues one all_finite per gradient into one flag and syncs once; the loss scaler's
+    check does the same plus one in-place unscale per gradient. No cast, copy or per-gradient sync."""
+    x, y = batch(0)
+    BOOKKEEPING = ("DeleteVariable", "WaitForVar")  # the engine freeing an array, waiting for one
+
+    def extra_work(**kwargs):
+        net = build()
+        mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", **kwargs)
+        trainer = mp.trainer(gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 1e-3}))
+        for profiled in (False, True):  # the first update creates Adam's state
+            backward(mp, net, trainer, x, y)
+            mx.nd.waitall()
+            mx.profiler.set_state("run" if profiled else "stop")
+            assert mp.step(trainer, 32).stepped
+            mx.nd.waitall()
+        mx.profiler.set_state("stop")
+        stats = json.loads(mx.profiler.dumps(reset=True, format="json"))["Time"]
+        syncs = stats["MXNET_C_API"].get("MXNDArraySyncCopyToCPU", {"Count": 0})["Count"]
+        ops = {op: s["Count"] for op, s in stats["operator"].items() if op not in BOOKKEEPING}
+        return Counter(ops), syncs
+
+    mx.profiler.set_config(profile_imperative=True, profile_api=True, aggregate_stats=True,
+                           filename=str(tmp_path / "profile.json"))  # fmt: skip
+    unguarded, no_sync = extra_work(guard=False)
+    guarded, guard_syncs = extra_work()
+    scaled, scaler_syncs = extra_work(loss_scale="mxnet")
+    grads = len(params_of(build()))  # one gradient per parameter, one device
+    assert no_sync == 0 and guard_syncs == scaler_syncs == 1
+    assert not unguarded - guarded and guarded - unguarded == Counter(all_finite=grads, _ones=1)
+    assert scaled - unguarded == Counter(all_finite=grads, _ones=1, _mul_scalar=grads)
 
 
 # -- the rest of the step --------------------------------------------------------------------------
