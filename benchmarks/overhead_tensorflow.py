@@ -7,18 +7,24 @@ MLP, batch 256; 2-block character transformer, d 256, batch 32 x 64), Adam. Ever
 own copy of the same model (built in ``mp.scope()``, so the layers and their dtype policies are
 identical), the same weights and the same batch; only the train step differs. Each step is one
 ``tf.function`` call timed to the loss on the host; the contenders alternate (their order rotates
-every round) and medians are taken after one warm-up step each. Cases:
+every round) and medians are taken after one warm-up step each; ``ratio`` is the ratio of the medians,
+``paired`` the median of the per-round ratios (steadier on a shared machine). Cases:
 - bf16: Keras ``mixed_bfloat16`` with the plain optimizer (no check) vs ``MixedPrecision("bf16-mixed")``
   (guarded: it checks every gradient for inf/NaN, which native bf16 does not) and with ``guard=False``;
 - fp16: Keras ``mixed_float16`` with ``LossScaleOptimizer`` vs ``MixedPrecision("fp16-mixed",
   loss_scale="keras")``. TensorFlow has no fp16 kernels for this CPU (Eigen fallback), so this
   case is slow and gets fewer repeats.
+- ``--floor``: two more bf16 rows, the native step with its ``opt.apply`` inside a ``tf.cond``
+  on a flag known before the backward pass (what a conditional costs) and on a flag that needs
+  every gradient (what waiting for all gradients before any update costs, as a guard must).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 import warnings
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -68,6 +74,29 @@ def native_step(name, policy, loss_scale_optimizer):
     return lambda: float(step(x, y))
 
 
+def gated_step(name, wait_for_gradients):
+    """The native bf16 step with ``opt.apply`` under ``tf.cond``: on whether the loss is finite,
+    or on whether every gradient is (one sum each, as read where the backward made them)."""
+    model, x, y = build(name, "bf16-mixed")
+    opt = keras.optimizers.Adam(1e-4)
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        variables = model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = loss_of(name, model, x, y)
+        grads = tape.gradient(loss, variables)
+        flag = tf.math.is_finite(loss)
+        if wait_for_gradients:
+            made = [g.op.inputs[0] if g.op.type == "Cast" else g for g in grads]
+            flag = tf.math.is_finite(tf.add_n([tf.cast(tf.reduce_sum(g), tf.float32) for g in made]))
+        tf.cond(flag, lambda: opt.apply(grads, variables), lambda: None)
+        return loss
+
+    return lambda: float(step(x, y))
+
+
 def polyamp_step(name, mp):
     model, x, y = build(name, mp.policy.name)
     opt = keras.optimizers.Adam(1e-4)
@@ -85,39 +114,71 @@ def polyamp_step(name, mp):
     return lambda: float(step(x, y))
 
 
+def timed(contenders: dict) -> tuple[dict, dict[str, list[float]]]:
+    """The contenders, each recording its call times (the warm-up first), and those records."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+
+    def record(name, fn):
+        def call():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+
+        return call
+
+    return {name: record(name, fn) for name, fn in contenders.items()}, times
+
+
+def run(contenders: dict, repeats: int) -> dict[str, tuple[float, list[float]]]:
+    """Per contender: its median seconds per step and its per-round times after the warm-up."""
+    wrapped, times = timed(contenders)
+    medians = alternate(wrapped, repeats, rotate=True)
+    return {name: (medians[name], times[name][1:]) for name in contenders}
+
+
+def row(name: str, case: str, native, ours) -> str:
+    paired = statistics.median(b / a for a, b in zip(native[1], ours[1]))
+    return (f"{name:8s} {case:34s} {native[0] * 1e3:10.1f} {ours[0] * 1e3:11.1f} "
+            f"{ours[0] / native[0]:7.3f} {paired:7.3f}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--fp16-repeats", type=int, default=7)
     parser.add_argument("--models", default="mlp,charlm")
+    parser.add_argument("--floor", action="store_true", help="add the two gated native bf16 rows")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     print(
         f"tensorflow {tf.__version__}, keras {keras.__version__}, Adam, tf.function steps, median step time"
     )
-    print(f"{'model':8s} {'case':34s} {'native ms':>10s} {'polyamp ms':>11s} {'ratio':>7s}")
+    print(f"{'model':8s} {'case':34s} {'native ms':>10s} {'polyamp ms':>11s} {'ratio':>7s} {'paired':>7s}")
     for name in args.models.split(","):
         rows = []
-        bf16 = alternate({
+        contenders = {
             "native": native_step(name, "bf16-mixed", False),
             "guarded": polyamp_step(name, pa.MixedPrecision("bf16-mixed", framework="tensorflow")),
             "guard=False": polyamp_step(name, pa.MixedPrecision(
                 "bf16-mixed", framework="tensorflow", guard=False, loss_scale="none")),
-        }, args.repeats, rotate=True)  # fmt: skip
+        }  # fmt: skip
+        if args.floor:
+            contenders["native, cond on loss"] = gated_step(name, False)
+            contenders["native, cond on all grads"] = gated_step(name, True)
+        bf16 = run(contenders, args.repeats)
         rows.append(("bf16 guarded vs mixed_bfloat16", bf16["native"], bf16["guarded"]))
         rows.append(("bf16 guard=False vs mixed_bfloat16", bf16["native"], bf16["guard=False"]))
+        for case in ("native, cond on loss", "native, cond on all grads") if args.floor else ():
+            rows.append((f"bf16 {case}", bf16["native"], bf16[case]))
         if args.fp16_repeats:
-            fp16 = alternate({
+            fp16 = run({
                 "native": native_step(name, "fp16-mixed", True),
                 "polyamp": polyamp_step(name, pa.MixedPrecision(
                     "fp16-mixed", framework="tensorflow", loss_scale="keras")),
-            }, args.fp16_repeats, rotate=True)  # fmt: skip
+            }, args.fp16_repeats)  # fmt: skip
             rows.append(("fp16 vs mixed_float16 + LSO", fp16["native"], fp16["polyamp"]))
         for case, native, ours in rows:
-            print(
-                f"{name:8s} {case:34s} {native * 1e3:10.1f} {ours * 1e3:11.1f} {ours / native:7.3f}",
-                flush=True,
-            )
+            print(row(name, case, native, ours), flush=True)
 
 
 if __name__ == "__main__":

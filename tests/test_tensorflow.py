@@ -335,6 +335,60 @@ def test_fault_injection_2000_steps_in_tf_function():
     assert all(np.isfinite(v).all() for v in values(model))
 
 
+def cast_step(mp, opt, variable):
+    """A traced step whose gradient is ``tf.cast(source, float32)``, as a ``mixed_*`` backward makes
+    it: the check reads ``source`` when that cast widens exactly."""
+
+    @tf.function
+    def step(source):
+        return mp.apply(opt, [tf.cast(source, tf.float32)], [variable])
+
+    return step
+
+
+@pytest.mark.parametrize(("dtype", "policy", "loss_scale", "read"), [
+    ("bfloat16", "bf16-mixed", "none", "bfloat16"),
+    ("bfloat16", "fp16-mixed", 4.0, "bfloat16"),
+    ("float16", "fp16-mixed", 4.0, "float32"),  # a float16 sum would overflow: the float32 is read
+])  # fmt: skip
+def test_a_traced_step_checks_the_gradient_in_the_dtype_the_backward_made_it(dtype, policy, loss_scale, read):
+    mp = pa.MixedPrecision(policy, framework="tensorflow", loss_scale=loss_scale)
+    variable = keras.Variable(np.ones(4, np.float32))
+    opt = keras.optimizers.SGD(0.5)
+    step = cast_step(mp, opt, variable)
+    for bad in (np.nan, INF, -INF):
+        assert not bool(step(tf.constant([1.0, bad, 2.0, 3.0], dtype)).stepped)
+    assert variable.numpy().tolist() == [1.0] * 4 and int(opt.iterations.numpy()) == 0
+    graph = step.get_concrete_function(tf.TensorSpec([4], dtype)).graph  # the traced step
+    assert any(op.type == "Sum" and op.inputs[0].dtype == read for op in graph.get_operations())
+    good = 2.0 * (1.0 if loss_scale == "none" else loss_scale)  # unscaled: 2, so SGD(0.5) gives 0
+    assert bool(step(tf.constant([good] * 4, dtype)).stepped)
+    assert variable.numpy().tolist() == [0.0] * 4 and mp.state.skipped == 3
+
+
+def test_a_finite_sum_that_overflows_or_a_narrowing_cast_are_decided_exactly():
+    mp = pa.MixedPrecision("bf16-mixed", framework="tensorflow", loss_scale="none")
+    variable = keras.Variable(np.zeros(2, np.float32))
+    step = cast_step(mp, keras.optimizers.SGD(0.0), variable)
+    # finite bfloat16 values whose sum overflows: the quick test fails, the exact check steps
+    assert bool(step(tf.constant([3e38, 3e38], tf.bfloat16)).stepped)
+    # float64 -> float32 narrows: +-1e300 (float64 sum 0) become +-inf; the float64 tensor must
+    # not stand for them
+    assert not bool(step(tf.constant([1e300, -1e300], tf.float64)).stepped)
+    assert mp.state.skipped == 1 and variable.numpy().tolist() == [0.0, 0.0]
+
+
+def test_unscaling_by_a_scale_below_one_that_overflows_is_skipped():
+    mp = pa.MixedPrecision("fp16-mixed", framework="tensorflow", loss_scale=0.5)
+    variable = keras.Variable(np.zeros(2, np.float32))
+    step = cast_step(mp, keras.optimizers.SGD(0.0), variable)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # 3e38 is finite in bfloat16 and float32; 3e38 / 0.5 is not
+        assert not bool(step(tf.constant([3e38, 1.0], tf.bfloat16)).stepped)
+        assert bool(step(tf.constant([1e38, 1.0], tf.bfloat16)).stepped)
+
+
 def test_too_many_consecutive_skips_raise_eagerly_and_inside_tf_function():
     ls = pa.DynamicLossScale(max_consecutive_skips=4)
     x, y = next(batches(1))

@@ -8,7 +8,8 @@
   that become ``mp``'s state store: ``mp.state``/``current_scale``/``state_dict()`` read them and
   ``load_state_dict`` assigns them, so the same step runs eagerly and inside ``tf.function``.
 - ``mp.apply(optimizer, grads, variables)`` and the ``fit`` wrapper share ``_step``: unscale the
-  gradients, check them (sum first; an exact per-element check only if the sum is not finite),
+  gradients, check them (``_all_finite``: one sum per gradient, read in bfloat16 where the
+  backward pass made it so; an exact per-element check only if that sum is not finite),
   agree across replicas, then in a cross-replica ``merge_call``: clip by the global norm of the
   summed gradients (optional), apply or skip (``tf.cond``), update the scale with
   ``update_arrays`` (graph ops) and guard against endless skipping.
@@ -331,12 +332,12 @@ def _step(mp, optimizer, grads: list, variables: list, clip: float | None):
             "each replica has its own gradients"
         )
     overwrite = [getattr(v, "overwrite_with_gradient", False) for v in variables]
-    unscaled = grads
+    unscaled, scale = grads, None
     if not isinstance(mp.loss_scale, NoLossScale):
         scale = store.scale.read_value()
         unscaled = [g if keep else _map(g, lambda v: v / tf.cast(scale, v.dtype))
                     for g, keep in zip(grads, overwrite)]  # fmt: skip
-    bad = tf.cast(~_all_finite(unscaled), tf.float32) if mp.guard else None
+    bad = tf.cast(~_all_finite(unscaled, grads, scale), tf.float32) if mp.guard else None
     merged = functools.partial(_merged_step, mp=mp, optimizer=optimizer, variables=variables,
                                overwrite=overwrite, clip=clip)  # fmt: skip
     result, names = context.merge_call(merged, args=(unscaled, bad))
@@ -427,12 +428,39 @@ def _values(g):
     return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
-def _all_finite(grads) -> tf.Tensor:
-    """One sum per gradient (a sum is finite only if every term is); where the total is not
-    finite an exact element-wise check rules out a finite sum that overflowed."""
-    present = [_values(g) for g in grads if g is not None]
-    sums = [tf.cast(tf.reduce_sum(g), tf.float32) for g in present]
+# casts from bfloat16 widen exactly (the output is finite exactly where the input is), and a
+# bfloat16 sum has float32's range; a float16 sum overflows at 65504, so float16 is not read
+_WIDENING = {(tf.bfloat16, tf.float32), (tf.bfloat16, tf.float64)}
+
+
+def _produced_by(g: tf.Tensor) -> tf.Tensor:
+    """In a traced step, the bfloat16 tensor that ``g`` is an exact widening ``Cast`` of, else ``g``.
+
+    Under ``mixed_bfloat16`` the backward pass computes a float32 variable's gradient in bfloat16
+    and casts it up; the bfloat16 tensor holds the same values in half the bytes.
+    """
+    if tf.executing_eagerly() or not hasattr(g, "op"):
+        return g
+    op = g.op
+    if op.type == "Cast" and (op.inputs[0].dtype, g.dtype) in _WIDENING:
+        return op.inputs[0]
+    return g
+
+
+def _all_finite(applied, raw, scale=None) -> tf.Tensor:
+    """Whether every gradient as applied (``applied``: ``raw`` unscaled, or ``raw`` itself) is finite.
+
+    Quick test, a pass the step does not otherwise make: one sum per raw gradient, read where the
+    backward pass produced it (``_produced_by``; a sum is finite only if every term is). It stands
+    for the applied gradients when there is no scale or ``scale >= 1``: ``raw / scale`` is then
+    finite exactly where ``raw`` is. Only where it fails (a non-finite value, a finite sum that
+    overflowed, or a scale below 1) does an exact element-wise check of ``applied`` decide.
+    """
+    present = [_values(g) for g in applied if g is not None]
+    sums = [tf.cast(tf.reduce_sum(_produced_by(_values(g))), tf.float32) for g in raw if g is not None]
     quick = tf.math.is_finite(tf.add_n(sums)) if sums else tf.constant(True)
+    if scale is not None:
+        quick = quick & (scale >= 1.0)
 
     def exact():
         return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(g)) for g in present]))
