@@ -9,7 +9,8 @@ from .native import from_native, to_native
 from .numerics import FORMATS, ROUNDINGS, FloatFormat, decode, encode, get_format, quantize
 from .policy import Policy
 from .scaling import DynamicLossScale, LossScale, LossScaleState, NoLossScale, StaticLossScale
-from .training import MixedPrecision, StepResult
+from .step import StepResult
+from .training import MixedPrecision
 
 __version__ = "0.1.0"
 

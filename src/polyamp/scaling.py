@@ -18,7 +18,6 @@ by ``loss_scale_from_dict`` and ``ls.load_state``.
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
@@ -27,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .errors import NonFiniteError, PolyampError, invalid
+from .step import is_count, is_number
 
 PRESETS = ("polyamp", "torch", "keras", "jmp", "deepspeed", "mxnet", "deepspeed-fp16")
 SCALE_DTYPES = ("float64", "float32", "float32-ftz")
@@ -74,10 +74,10 @@ class LossScaleState:
             raise PolyampError(f"a loss-scale state needs 'scale'; received keys {sorted(data)}")
         for key, value in data.items():
             if key in ("scale", "next_scale"):
-                ok = _number(value) and value >= 0 or (key == "next_scale" and value is None)
+                ok = is_number(value) and value >= 0 or (key == "next_scale" and value is None)
                 accepted = "a number >= 0 (inf allowed)" + (" or None" if key == "next_scale" else "")
             else:
-                ok = _count(value, _STATE_MINIMA[key])
+                ok = is_count(value, _STATE_MINIMA[key])
                 accepted = f"an integer >= {_STATE_MINIMA[key]}"
             if not ok:
                 raise PolyampError(f"loss-scale state field {key!r} must be {accepted}; received {value!r}")
@@ -131,16 +131,6 @@ def state_from_arrays(arrays: dict) -> LossScaleState:
                           **{k: int(v) for k, v in arrays.items() if k != "scale"})  # fmt: skip
 
 
-def _number(value: object) -> bool:
-    """A real number that is not a bool (numpy scalars included); NaN is not one."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and value == value
-
-
-def _count(value: object, minimum: int) -> bool:
-    integral = isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-    return integral and value >= minimum
-
-
 def _finite_flag(finite: object) -> bool:
     """``finite`` as a Python bool: a bool or a one-element boolean array/tensor, else PolyampError."""
     if isinstance(finite, (bool, np.bool_)):
@@ -162,7 +152,7 @@ def _check_state(state: object) -> None:
         )
 
 
-_GUARD_RULE = ("max_consecutive_skips", lambda v: v is None or _count(v, 1), "None or >= 1")
+_GUARD_RULE = ("max_consecutive_skips", lambda v: v is None or is_count(v, 1), "None or >= 1")
 
 
 class _LossScale:
@@ -289,7 +279,7 @@ class StaticLossScale(_LossScale):
     kind = "static"
 
     def __post_init__(self) -> None:
-        self._validate(("scale", lambda v: _number(v) and 0 < v < math.inf, "a finite number > 0"))
+        self._validate(("scale", lambda v: is_number(v) and 0 < v < math.inf, "a finite number > 0"))
 
     def init(self) -> LossScaleState:
         return LossScaleState(scale=float(self.scale))
@@ -314,7 +304,7 @@ _FIRST_SKIP = (
     "(StepResult.stepped, state.skipped)."
 )
 
-_BELOW_ONE = (
+BELOW_ONE_WARNING = (
     "the loss scale fell below 1: gradients are now scaled down, not up, and small ones flush to "
     "zero in float16. Scaling cannot fix real NaN/inf (from the data, the loss, a too high "
     "learning rate, a bf16-pretrained model run in fp16); min_scale=1 (polyamp's default) keeps "
@@ -353,20 +343,20 @@ class DynamicLossScale(_LossScale):
         lo, hi = self.min_scale, self.max_scale
         flag = (lambda v: isinstance(v, bool), "True or False")
         self._validate(
-            ("growth_factor", lambda v: _number(v) and 1 < v < math.inf, "a finite number > 1"),
-            ("backoff_factor", lambda v: _number(v) and 0 < v < 1, "a number in (0, 1)"),
-            ("growth_interval", lambda v: _count(v, 1), "an integer >= 1"),
-            ("hysteresis", lambda v: _count(v, 1), "an integer >= 1"),
-            ("growth_delay", lambda v: _count(v, 0), "an integer >= 0"),
-            ("min_scale", lambda v: _number(v) and 0 <= v < math.inf, "a finite number >= 0"),
+            ("growth_factor", lambda v: is_number(v) and 1 < v < math.inf, "a finite number > 1"),
+            ("backoff_factor", lambda v: is_number(v) and 0 < v < 1, "a number in (0, 1)"),
+            ("growth_interval", lambda v: is_count(v, 1), "an integer >= 1"),
+            ("hysteresis", lambda v: is_count(v, 1), "an integer >= 1"),
+            ("growth_delay", lambda v: is_count(v, 0), "an integer >= 0"),
+            ("min_scale", lambda v: is_number(v) and 0 <= v < math.inf, "a finite number >= 0"),
             (
                 "max_scale",
-                lambda v: _number(v) and v > 0 and v >= lo,
+                lambda v: is_number(v) and v > 0 and v >= lo,
                 f"> 0 and >= min_scale={lo!r}",
             ),
             (
                 "init_scale",
-                lambda v: _number(v) and 0 < v < math.inf and lo <= v <= hi,
+                lambda v: is_number(v) and 0 < v < math.inf and lo <= v <= hi,
                 f"finite, > 0 and within [min_scale, max_scale] = [{lo!r}, {hi!r}]",
             ),
             ("consecutive_hysteresis", *flag),
@@ -430,7 +420,7 @@ class DynamicLossScale(_LossScale):
         new = self._rule({**state.as_dict(), "scale": base}, finite, _Host, float, self._round)
         scale, next_scale = (base, new["scale"]) if self.one_step_lag else (new["scale"], None)
         if scale < 1 <= state.scale:
-            warnings.warn(_BELOW_ONE, RuntimeWarning, stacklevel=2)
+            warnings.warn(BELOW_ONE_WARNING, RuntimeWarning, stacklevel=2)
         return LossScaleState(**{**new, "scale": scale, "next_scale": next_scale})
 
     def _rule(self, state: dict, finite, xp, const: Callable, fit: Callable) -> dict:

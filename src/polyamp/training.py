@@ -16,50 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
 from .backends import canonical_framework, detect, get_backend, imported_frameworks
 from .errors import PolyampError
 from .native import from_native, to_native
 from .policy import Policy
-from .scaling import PRESETS, DynamicLossScale, NoLossScale, StaticLossScale, _number, check_loss_scale
-
-
-def check_clip_norm(value) -> None:
-    """PolyampError unless ``value`` (a gradient-norm clip) is None or a positive real number."""
-    if value is not None and not (_number(value) and value > 0):
-        raise PolyampError(f"clip_grad_norm must be a positive number or None, got {value!r}")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did.
-
-    ``scale`` is the loss scale for the next step; ``grad_norm`` the global gradient norm before
-    clipping (computed when clipping was asked for); ``nonfinite`` the names of the parameters
-    whose gradients held inf/NaN on a skipped step (on this rank); ``origin`` the first module
-    whose forward output or gradient became non-finite (with ``debug=True`` and ``watch(model)``);
-    ``nonfinite_ranks`` the ranks (replicas) whose gradients were not finite, when distributed.
-    """
-
-    stepped: bool
-    scale: float
-    grad_norm: float | None = None
-    nonfinite: tuple[str, ...] = ()
-    origin: str | None = None
-    nonfinite_ranks: tuple[int, ...] = ()
-
-    # tf.nest protocol, so that a tf.function can return the StepResult of ``mp.apply`` (whose
-    # stepped/scale/grad_norm are tensors there); names and the None-ness of grad_norm are static.
-    def __tf_flatten__(self):
-        values = (self.stepped, self.scale) + (() if self.grad_norm is None else (self.grad_norm,))
-        return (self.grad_norm is None, self.nonfinite, self.origin, self.nonfinite_ranks), values
-
-    @classmethod
-    def __tf_unflatten__(cls, metadata, values):
-        no_norm, nonfinite, origin, ranks = metadata
-        return cls(values[0], values[1], None if no_norm else values[2], nonfinite, origin, ranks)
+from .scaling import PRESETS, DynamicLossScale, NoLossScale, StaticLossScale, check_loss_scale
+from .step import StepResult, check_clip_norm, is_number
 
 
 def make_loss_scale(spec, policy: Policy):
@@ -250,7 +214,7 @@ class MixedPrecision:
                 f"batch_size={batch_size!r} is for MXNet's Trainer.step; "
                 f"{self.framework} optimizers take none"
             )
-        if backend.takes_batch_size and not (_number(batch_size) and batch_size > 0):
+        if backend.takes_batch_size and not (is_number(batch_size) and batch_size > 0):
             raise PolyampError(
                 "MXNet's Trainer divides the gradients by the batch size: call mp.step(trainer, batch_size) "
                 f"with a positive number (1 when the loss is already a mean); got batch_size={batch_size!r}"

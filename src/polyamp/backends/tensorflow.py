@@ -51,14 +51,14 @@ import tensorflow as tf
 from ..errors import PolyampError
 from ..policy import Policy
 from ..scaling import (
-    _BELOW_ONE,
+    BELOW_ONE_WARNING,
     COUNTERS,
     LossScaleState,
     NoLossScale,
     state_arrays,
     state_from_arrays,
 )
-from ..training import StepResult, check_clip_norm
+from ..step import StepResult, check_clip_norm
 from ._base import Backend
 
 _F32, _BF16, _F16, _F64 = "float32", "bfloat16", "float16", "float64"
@@ -387,7 +387,7 @@ def _merged_step(strategy, unscaled, bad, *, mp, optimizer, variables, overwrite
         return StepResult(tf.convert_to_tensor(finite), new["scale"], norm), ()
     state = state_from_arrays({name: value.numpy() for name, value in new.items()})
     if state.scale < 1 <= float(old["scale"]):
-        warnings.warn(_BELOW_ONE, RuntimeWarning, stacklevel=2)
+        warnings.warn(BELOW_ONE_WARNING, RuntimeWarning, stacklevel=2)
     names: tuple = ()
     ranks: tuple[int, ...] = ()
     if not stepped:

@@ -18,7 +18,8 @@ import numpy as np
 import optax
 
 from ..backends.jax import step_if_finite
-from ..training import MixedPrecision, StepResult
+from ..step import StepResult
+from ..training import MixedPrecision
 from .workloads import Workload
 
 
