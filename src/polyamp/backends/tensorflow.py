@@ -39,7 +39,6 @@ import functools
 import inspect
 import threading
 import warnings
-import weakref
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -60,6 +59,7 @@ from ..scaling import (
 )
 from ..step import StepResult, check_clip_norm
 from ._base import Backend
+from .tensorflow_model_check import check_model_layers, check_traced_loss
 
 _F32, _BF16, _F16, _F64 = "float32", "bfloat16", "float16", "float64"
 # (param, compute, output) -> (Keras dtype policy, whether probability layers stay float32)
@@ -162,50 +162,6 @@ def _attach(optimizer, store: LossScaleVariables) -> None:
         )
 
 
-# -- a model left in float32 under a 16-bit policy -----------------------------------------------
-_LOW = (_F16, _BF16)
-_CHECKED: weakref.WeakSet = weakref.WeakSet()  # the MixedPrecisions already checked (once per run)
-_NESTED_CALLS = ("PartitionedCall", "StatefulPartitionedCall")
-_FLOAT32_MODEL = (
-    "polyamp: the policy {policy!r} computes in {compute}, but {seen}: the model was built outside "
-    "`mp.scope()`, so its layers compute in float32 and this run pays for mixed precision (loss "
-    "scaling, casts) without any {compute} compute. Build the model inside `with mp.scope():`."
-)
-
-
-def _warn_float32_model(policy: Policy, seen: str) -> None:
-    warnings.warn(_FLOAT32_MODEL.format(policy=policy.name, compute=policy.compute_dtype, seen=seen),
-                  UserWarning, stacklevel=5)  # fmt: skip
-
-
-def _check_model_layers(model, policy: Policy) -> None:
-    """Warn when no layer of ``model`` that holds weights computes in the policy's 16-bit compute
-    dtype (``mp.watch``)."""
-    if policy.compute_dtype not in _LOW or not isinstance(model, keras.layers.Layer):
-        return
-    layers, todo = [], [model]
-    while todo:
-        layer = todo.pop()
-        layers.append(layer)
-        todo.extend(getattr(layer, "layers", ()))
-    weighted = [layer for layer in layers if layer.weights and not getattr(layer, "layers", ())]
-    if weighted and all(layer.compute_dtype not in _LOW for layer in weighted):
-        _warn_float32_model(policy, f"every layer of {model.name!r} computes in float32")
-
-
-def _check_traced_loss(mp, loss) -> None:
-    """Once per run, when the step is traced: warn when no op of the loss's graph has an output in
-    the policy's 16-bit compute dtype (a model run inside a nested function is not looked into)."""
-    compute = mp.policy.compute_dtype
-    if compute not in _LOW or mp in _CHECKED or tf.executing_eagerly() or not hasattr(loss, "graph"):
-        return
-    _CHECKED.add(mp)
-    wanted = tf.as_dtype(compute)
-    ops = loss.graph.get_operations()
-    if not any(op.type in _NESTED_CALLS or any(t.dtype == wanted for t in op.outputs) for op in ops):
-        _warn_float32_model(mp.policy, f"no op of the traced step computes in {compute}")
-
-
 # -- probability layers in float32 inside mp.scope() ---------------------------------------------
 _scope = threading.local()  # Keras keeps its dtype policy per thread; so does this flag
 
@@ -274,7 +230,7 @@ class TensorFlowBackend(Backend):
             )
         if loss.shape.num_elements() not in (1, None):
             raise PolyampError(f"loss must be a scalar, got a tensor of shape {loss.shape}")
-        _check_traced_loss(mp, loss)
+        check_traced_loss(mp, loss)
         if isinstance(mp.loss_scale, NoLossScale):
             return loss
         if loss.dtype in (tf.float16, tf.bfloat16):
@@ -300,7 +256,7 @@ class TensorFlowBackend(Backend):
     # -- names ---------------------------------------------------------------------------------------
     def prepare_model(self, model, policy):
         """The model, unchanged; a warning when it computes in float32 under a 16-bit policy."""
-        _check_model_layers(model, policy)
+        check_model_layers(model, policy)
         return model
 
     def parameter_names(self, model) -> dict[int, str]:
