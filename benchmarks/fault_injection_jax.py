@@ -23,7 +23,7 @@ import optax
 from _fault import arguments, verdict  # benchmarks/_fault.py (this folder is on sys.path)
 
 import polyamp as pa
-from polyamp.backends.jax import step_if_finite
+from polyamp.jax import step_if_finite
 
 
 @jax.custom_vjp

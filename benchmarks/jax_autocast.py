@@ -41,9 +41,9 @@ from jax import lax
 from jax.extend import core as jcore
 
 import polyamp as pa
-from polyamp.backends.jax import select_tree, step_if_finite
 from polyamp.compare import jax as cj
 from polyamp.compare.workloads import get_workload
+from polyamp.jax import select_tree, step_if_finite
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 

@@ -23,7 +23,7 @@ import optax
 from jax.extend import core as jcore
 
 import polyamp as pa
-from polyamp.backends.jax import step_if_finite
+from polyamp.jax import step_if_finite
 
 REDUCTIONS = {"reduce_sum", "reduce_max", "exp", "log", "rsqrt", "cumsum"}
 

@@ -18,7 +18,8 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import polyamp as pa
-    from polyamp.backends.jax import step_if_finite
+    from polyamp.jax import step_if_finite
+    from polyamp.scaling import COUNTERS
 
     assert len(jax.devices()) == 2, jax.devices()
     mesh = jax.make_mesh((2,), ("data",))
@@ -37,6 +38,9 @@ SCRIPT = textwrap.dedent(
         h = jax.nn.gelu(x @ p["w1"] + p["b1"])
         return jnp.mean((h @ p["w2"] - y) ** 2)
 
+    def arrays(state):
+        return {k: getattr(state, k) for k in ("scale", *COUNTERS)}
+
     def host(tree):
         return jax.tree.map(lambda a: np.asarray(a).tolist(), tree)
 
@@ -49,7 +53,7 @@ SCRIPT = textwrap.dedent(
             grads = jax.lax.pmean(grads, "data")
             params, opt_state = step_if_finite(finite, opt, grads, opt_state, params)
             per_device = lambda tree: jax.tree.map(lambda a: a[None], tree)
-            return per_device(params), per_device(state.arrays()), finite[None]
+            return per_device(params), per_device(arrays(state)), finite[None]
 
         step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P("data"), P("data")),
                              out_specs=P("data"), check_vma=False)
@@ -81,7 +85,7 @@ SCRIPT = textwrap.dedent(
         (_, grads), finite, state = value_and_grad(params, x, y, state=state)
         grads = jax.lax.pmean(grads, "data")
         params, opt_state = step_if_finite(finite, opt, grads, opt_state, params)
-        return params, state.arrays(), finite
+        return params, arrays(state), finite
 
     pmap_step = jax.pmap(pmap_local, axis_name="data", in_axes=(None, None, None, 0, 0))
     per_device = lambda a: np.asarray(a).reshape(2, -1, *np.shape(a)[1:])

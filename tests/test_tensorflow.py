@@ -754,7 +754,7 @@ def test_a_keras_file_reloads_and_trains_on_with_the_same_scale(tmp_path):
 
 
 def test_fit_logs_hold_the_loss_scale_and_the_skipped_steps():
-    from polyamp.backends.tensorflow import LossScaleLogger
+    from polyamp.tensorflow import LossScaleLogger
 
     mp = keras_preset(growth_interval=2)
     model = tiny_model(mp)

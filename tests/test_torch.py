@@ -58,7 +58,7 @@ def test_float32_policy_does_not_autocast():
 
 
 def test_fp16_autocast_on_cpu_works_and_warns_that_it_is_slow():
-    from polyamp.backends import torch as torch_backend
+    from polyamp.torch import ops as torch_backend
 
     torch_backend._warned.clear()
     mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu")

@@ -5,12 +5,12 @@ first used.
 """
 
 from .errors import NonFiniteError, PolyampError, UnsupportedError
+from .mixed_precision import MixedPrecision
 from .native import from_native, to_native
 from .numerics import FORMATS, ROUNDINGS, FloatFormat, decode, encode, get_format, quantize
 from .policy import Policy
 from .scaling import DynamicLossScale, LossScale, LossScaleState, NoLossScale, StaticLossScale
 from .step import StepResult
-from .training import MixedPrecision
 
 __version__ = "0.1.0"
 

@@ -157,7 +157,7 @@ def _layout(data: dict) -> str:
     if {"policy", "loss_scale", "state"} <= set(data):
         raise PolyampError(
             "this is polyamp's own MixedPrecision.state_dict(), not a native scaler's; load it with "
-            "MixedPrecision.load_state_dict, or loss_scale_from_dict(d['loss_scale']).load_state(d['state'])"
+            "MixedPrecision.load_state_dict, or LossScaleState.from_dict(d['state'])"
         )
     for kind, keys in _LAYOUTS.items():
         if set(keys) <= set(data):

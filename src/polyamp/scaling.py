@@ -11,8 +11,10 @@ Backends only say whether this step's gradients are finite (agreed across ranks)
         ls.check(state, where=first_bad_layer)   # NonFiniteError after too many skips in a row
 
 Configs and states round-trip through ``as_dict()`` / ``from_dict()`` and pickle, every field
-included, so a checkpoint can hold both: ``ls.as_dict()`` with ``ls.state_dict(state)``, restored
-by ``loss_scale_from_dict`` and ``ls.load_state``.
+included, so a checkpoint can hold both: ``ls.as_dict()`` with ``state.as_dict()``, restored by
+``loss_scale_from_dict`` and ``LossScaleState.from_dict`` (``MixedPrecision.state_dict()`` holds
+both). A state is one type everywhere: in JAX its fields are 0-d arrays (a pytree), in a
+TensorFlow step they are read from ``tf.Variable``s; ``on_host()`` makes them Python numbers.
 """
 
 from __future__ import annotations
@@ -65,7 +67,13 @@ class LossScaleState:
 
     def as_dict(self) -> dict[str, Any]:
         """Every field as plain Python numbers."""
-        return asdict(self)
+        return asdict(self.on_host())
+
+    def on_host(self) -> LossScaleState:
+        """This state with Python numbers as fields (from 0-d arrays or tensors of any framework)."""
+        values = {k: int(getattr(self, k)) for k in COUNTERS}
+        next_scale = None if self.next_scale is None else float(self.next_scale)
+        return LossScaleState(scale=float(self.scale), next_scale=next_scale, **values)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LossScaleState:
@@ -128,8 +136,7 @@ def state_arrays(state: LossScaleState, xp) -> dict:
 
 def state_from_arrays(arrays: dict) -> LossScaleState:
     """The inverse of :func:`state_arrays` (host values)."""
-    return LossScaleState(scale=float(arrays["scale"]),
-                          **{k: int(v) for k, v in arrays.items() if k != "scale"})  # fmt: skip
+    return LossScaleState(**arrays).on_host()
 
 
 def _finite_flag(finite: object) -> bool:
@@ -234,14 +241,6 @@ class _LossScale:
                "that a scale could fix). ")
             + "max_consecutive_skips=None turns this check off."
         )  # fmt: skip
-
-    def state_dict(self, state: LossScaleState) -> dict[str, Any]:
-        """``state`` as plain values, for a checkpoint."""
-        return state.as_dict()
-
-    def load_state(self, data: dict[str, Any]) -> LossScaleState:
-        """The state saved by :meth:`state_dict`."""
-        return LossScaleState.from_dict(data)
 
     def as_dict(self) -> dict[str, Any]:
         """The config as plain values, with ``kind`` for :func:`loss_scale_from_dict`."""
@@ -467,8 +466,7 @@ class DynamicLossScale(_LossScale):
 @runtime_checkable
 class LossScale(Protocol):
     """What polyamp uses of a loss scale; ``NoLossScale``, ``StaticLossScale`` and
-    ``DynamicLossScale`` implement it, and so must a custom one (checked by ``check_loss_scale``).
-    A JAX run also needs it hashable (it is static data of the state pytree)."""
+    ``DynamicLossScale`` implement it, and so must a custom one (checked by ``check_loss_scale``)."""
 
     kind: str
     max_consecutive_skips: int | None
@@ -479,13 +477,11 @@ class LossScale(Protocol):
     def check(self, state: LossScaleState, where: str | None = None, nonfinite: tuple[str, ...] = (),
               skipped_before: int | None = None) -> None: ...  # fmt: skip
     def check_traceable(self, form: str = "traced") -> None: ...
-    def state_dict(self, state: LossScaleState) -> dict[str, Any]: ...
-    def load_state(self, data: dict[str, Any]) -> LossScaleState: ...
     def as_dict(self) -> dict[str, Any]: ...
 
 
 LOSS_SCALE_MEMBERS = ("kind", "max_consecutive_skips", "init", "update", "update_arrays", "check",
-                      "check_traceable", "state_dict", "load_state", "as_dict")  # fmt: skip
+                      "check_traceable", "as_dict")  # fmt: skip
 
 
 def check_loss_scale(obj: Any) -> LossScale:

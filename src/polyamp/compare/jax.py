@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..backends.jax import step_if_finite
+from ..jax import step_if_finite
+from ..mixed_precision import MixedPrecision
 from ..step import StepResult
-from ..training import MixedPrecision
 from .workloads import Workload
 
 

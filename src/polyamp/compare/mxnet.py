@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from ..training import MixedPrecision
+from ..mixed_precision import MixedPrecision
 from .workloads import Workload
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20

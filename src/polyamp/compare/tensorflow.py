@@ -19,8 +19,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from ..mixed_precision import MixedPrecision  # noqa: E402
 from ..step import StepResult
-from ..training import MixedPrecision  # noqa: E402
 from .workloads import Workload  # noqa: E402
 
 

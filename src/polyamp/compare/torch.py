@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..training import MixedPrecision
+from ..mixed_precision import MixedPrecision
 from .workloads import Workload
 
 

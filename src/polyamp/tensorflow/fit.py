@@ -1,5 +1,5 @@
 """The Keras ``compile``/``fit`` path: ``PolyampOptimizer`` (``mp.optimizer``) and the
-``LossScaleLogger`` callback (``mp.callback()``). The step itself is ``tensorflow._step``."""
+``LossScaleLogger`` callback (``mp.callback()``). The step itself is ``step.run_step``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from keras.callbacks import Callback
 
 from ..errors import PolyampError
 from ..scaling import loss_scale_from_dict
-from ..training import MixedPrecision
-from .tensorflow import BACKEND, LossScaleVariables, _check_pairs, _step, _store
+from .step import LossScaleVariables, check_pairs, run_step
 
 
 @keras.saving.register_keras_serializable(package="polyamp")
@@ -30,7 +29,7 @@ class PolyampOptimizer(keras.optimizers.LossScaleOptimizer):
         growth = getattr(mp.loss_scale, "growth_interval", None)
         super().__init__(inner_optimizer, initial_scale=initial, dynamic_growth_steps=growth, name=name)
         self._mp = mp
-        self._polyamp_loss_scale = _store(mp)
+        self._polyamp_loss_scale = mp.loss_scale_variables()
 
     @property
     def mixed_precision(self):
@@ -46,14 +45,14 @@ class PolyampOptimizer(keras.optimizers.LossScaleOptimizer):
         return self._polyamp_loss_scale.scale
 
     def scale_loss(self, loss):
-        return BACKEND.scale(self._mp, loss)
+        return self._mp.scale(loss)
 
     def apply(self, grads, trainable_variables=None):
         if not self.built:
             self.build(trainable_variables)
         variables = self._trainable_variables if trainable_variables is None else trainable_variables
-        grads, variables = _check_pairs(grads, variables)
-        _step(self._mp, self.inner_optimizer, grads, variables, None)
+        grads, variables = check_pairs(grads, variables)
+        run_step(self._mp, self.inner_optimizer, grads, variables, None)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise PolyampError("stateless_apply is JAX's path; with TensorFlow use apply()")
@@ -69,6 +68,8 @@ class PolyampOptimizer(keras.optimizers.LossScaleOptimizer):
                 "a PolyampOptimizer config needs 'mixed_precision' (MixedPrecision.state_dict(): "
                 f"policy, loss_scale, state); received keys {sorted(config)}"
             )
+        from . import MixedPrecision
+
         mp = MixedPrecision(saved["policy"], loss_scale=loss_scale_from_dict(saved["loss_scale"]),
                             framework="tensorflow", guard=config.get("guard", True))  # fmt: skip
         mp.load_state_dict(saved)
@@ -91,7 +92,7 @@ class LossScaleLogger(Callback):
 
     def _variables(self) -> LossScaleVariables:
         if self._mp is not None:
-            return _store(self._mp)
+            return self._mp.loss_scale_variables()
         optimizer = getattr(self.model, "optimizer", None)
         if not isinstance(optimizer, PolyampOptimizer):
             raise PolyampError(
@@ -99,7 +100,7 @@ class LossScaleLogger(Callback):
                 f"this model's optimizer is a {type(optimizer).__name__}: compile with "
                 "mp.optimizer(optimizer), or pass the MixedPrecision: LossScaleLogger(mp)"
             )
-        return _store(optimizer.mixed_precision)
+        return optimizer.mixed_precision.loss_scale_variables()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._skipped_at_epoch_start = int(self._variables().skipped.numpy())

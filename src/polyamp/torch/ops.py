@@ -1,4 +1,4 @@
-"""PyTorch backend: torch.autocast, the fused unscale-and-check GradScaler uses, torch.distributed.
+"""PyTorch's eager primitives: torch.autocast, the fused unscale-and-check GradScaler uses, torch.distributed.
 
 CUDA paths (autocast on "cuda", fp16 loss scaling, NCCL all-reduce) use the same calls as on CPU;
 they are guarded by torch itself reporting the device as available.
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from ..eager import EagerOps
 from ..errors import PolyampError, UnsupportedError
-from ._base import Backend
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}  # fmt: skip
@@ -33,9 +33,7 @@ def _autocast_refusal(device: str, dtype) -> str | None:
     return "; ".join(str(w.message).splitlines()[0] for w in caught) or "unsupported"
 
 
-class TorchBackend(Backend):
-    name = "torch"
-    early_unscale = True
+class TorchOps(EagerOps):
 
     def check_device(self, device: str | None) -> None:
         if device is None:
@@ -216,6 +214,3 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-
-BACKEND = TorchBackend()

@@ -1,4 +1,4 @@
-"""MXNet backend (Gluon, MXNet 1.9): contrib.amp casts the operators, polyamp scales and skips.
+"""MXNet's eager primitives (Gluon, MXNet 1.9): contrib.amp casts the operators, polyamp scales and skips.
 
 MXNet's AMP is process-wide: ``amp.init`` patches the operator functions of ``mx.nd`` and
 ``mx.sym``, so it must run before the network is built (a network hybridized before it keeps
@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from ..eager import EagerOps
 from ..errors import PolyampError, UnsupportedError
 from ..scaling import NoLossScale, StaticLossScale
-from ._base import Backend
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -38,26 +38,27 @@ with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated si
     from mxnet import autograd, gluon
     from mxnet.contrib import amp
 
-_FLOAT_KINDS = ("float16", "float32", "float64", "bfloat16")
+PREPARED: weakref.WeakSet = weakref.WeakSet()  # the trainers mp.trainer() prepared
+FLOAT_KINDS = ("float16", "float32", "float64", "bfloat16")
 _amp_dtype: str | None = None  # the dtype polyamp initialised contrib.amp with in this process
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype).names == ("bfloat16",) else np.dtype(dtype).name
 
 
-def _check_trainer(trainer) -> None:
+def check_trainer(trainer) -> None:
     if not isinstance(trainer, gluon.Trainer):
         raise PolyampError(
             f"expected a mxnet.gluon.Trainer, got {type(trainer).__module__}.{type(trainer).__name__}"
         )
-    if not getattr(trainer, "_polyamp", False):
+    if trainer not in PREPARED:
         raise PolyampError(
             "this gluon.Trainer was not prepared: use trainer = mp.trainer(gluon.Trainer(...))"
         )
 
 
-def _check_accumulation(trainer) -> None:
+def check_accumulation(trainer) -> None:
     if _amp_dtype is None:
         return
     added = [p.name for p in trainer._params if p.grad_req == "add"]
@@ -227,78 +228,13 @@ def setup_amp(policy, device: str | None) -> None:
     LOSS_OUTPUTS.install(compute)
 
 
-class MXNetBackend(Backend):
-    name = "mxnet"
+class MXNetOps(EagerOps):
     takes_batch_size = True
-
-    def is_tensor(self, x: Any) -> bool:
-        return isinstance(x, mx.nd.NDArray)
-
-    def cast(self, x, dtype: str):
-        return mx.nd.amp_cast(x, dtype=dtype) if _dtype_name(x.dtype) in _FLOAT_KINDS else x
-
-    # -- policy ------------------------------------------------------------------------------------
-    def attach(self, mp) -> None:
-        setup_amp(mp.policy, mp.device)
-        LOSS_OUTPUTS.activate(mp)
 
     def autocast(self, policy, device: str | None):
         """MXNet's AMP is on for the whole process once set up: this only checks that it is."""
         setup_amp(policy, device)
         return contextlib.nullcontext()
-
-    # -- the Gluon idiom ---------------------------------------------------------------------------
-    def wrap_trainer(self, mp, trainer):
-        """Check the trainer and make it update off the kvstore; returns the same trainer."""
-        if not isinstance(trainer, gluon.Trainer):
-            raise PolyampError(
-                f"mp.trainer() takes a mxnet.gluon.Trainer, got "
-                f"{type(trainer).__module__}.{type(trainer).__name__}"
-            )
-        setup_amp(mp.policy, mp.device)
-        if getattr(trainer, "_amp_loss_scaler", None) is not None:
-            raise PolyampError(
-                "this trainer went through contrib.amp.init_trainer, whose loss scaler would scale and "
-                "skip steps as well; polyamp scales the loss itself: pass a trainer that "
-                "amp.init_trainer has not seen"
-            )
-        on_kvstore = (
-            trainer._update_on_kvstore and trainer._kvstore is not None
-            if trainer._kv_initialized
-            else trainer._kvstore_params["update_on_kvstore"]
-        )
-        if on_kvstore:
-            raise PolyampError(
-                "the trainer updates the parameters on the kvstore (update_on_kvstore=True), where the "
-                "gradients cannot be checked or the update skipped; create it with "
-                "gluon.Trainer(..., update_on_kvstore=False)"
-            )
-        if not trainer._kv_initialized:
-            trainer._kvstore_params["update_on_kvstore"] = False  # None would let MXNet choose True
-        _check_accumulation(trainer)
-        mp._names.update({id(p): p.name for p in trainer._params})
-        trainer._polyamp = True
-        LOSS_OUTPUTS.activate(mp)
-        return trainer
-
-    def scale_loss_context(self, mp, loss, trainer):
-        """A context yielding ``loss * scale`` (a list for a list of losses) to backpropagate."""
-        _check_trainer(trainer)
-        losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
-        for item in losses:
-            if not isinstance(item, mx.nd.NDArray) or _dtype_name(item.dtype) not in _FLOAT_KINDS:
-                raise PolyampError(
-                    "loss must be a floating-point mxnet NDArray, got "
-                    f"{_dtype_name(item.dtype) if hasattr(item, 'dtype') else type(item).__name__}"
-                )
-        if not autograd.is_recording():
-            raise PolyampError(
-                "mp.scale_loss(loss, trainer) must run inside autograd.record(), where the loss was computed"
-            )
-        LOSS_OUTPUTS.check(mp)
-        scale = mp.current_scale
-        scaled = [item if scale == 1.0 else item * scale for item in losses]
-        return contextlib.nullcontext(scaled if isinstance(loss, (list, tuple)) else scaled[0])
 
     # -- the step ----------------------------------------------------------------------------------
     def gradients(self, optimizers: Sequence[Any]):
@@ -306,8 +242,8 @@ class MXNetBackend(Backend):
         all-reduce of the same gradients would multiply them by the number of devices)."""
         grads, params, fresh = [], [], False
         for trainer in optimizers:
-            _check_trainer(trainer)
-            _check_accumulation(trainer)
+            check_trainer(trainer)
+            check_accumulation(trainer)
             for p in trainer._params:
                 if p.grad_req == "null":
                     continue
@@ -380,10 +316,6 @@ class MXNetBackend(Backend):
             stack.extend(block._children.values())
         return [_Detach(h) for h in handles]
 
-    # -- measurement -------------------------------------------------------------------------------
-    def synchronize(self) -> None:
-        mx.nd.waitall()
-
 
 def _by_context(arrays) -> dict:
     groups: dict = {}
@@ -393,7 +325,7 @@ def _by_context(arrays) -> dict:
 
 
 def _finite(x) -> bool:
-    if not isinstance(x, mx.nd.NDArray) or _dtype_name(x.dtype) not in _FLOAT_KINDS:
+    if not isinstance(x, mx.nd.NDArray) or dtype_name(x.dtype) not in FLOAT_KINDS:
         return True
     return bool(np.isfinite(x.astype("float32").asnumpy()).all())
 
@@ -406,6 +338,3 @@ class _Detach:
 
     def remove(self) -> None:
         self._handle.detach()
-
-
-BACKEND = MXNetBackend()

@@ -1,0 +1,75 @@
+"""Which framework an object belongs to, and which front end drives it.
+
+No framework is imported here: an object can only belong to a framework that is already
+imported, so looking at ``type(x).__module__`` and ``sys.modules`` is enough. A front end
+(``polyamp.torch``, ``polyamp.tensorflow``, ``polyamp.jax``, ``polyamp.mxnet``) imports its
+framework when it is first imported itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from .errors import PolyampError, invalid
+
+FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
+_MODULE_ROOTS = {"torch": "torch", "tensorflow": "tensorflow", "keras": "tensorflow",
+                 "tf_keras": "tensorflow", "jax": "jax", "jaxlib": "jax", "optax": "jax",
+                 "flax": "jax", "mxnet": "mxnet"}  # fmt: skip
+
+# common names for the frameworks -> polyamp's
+ALIASES = {"pytorch": "torch", "tf": "tensorflow", "keras": "tensorflow", "tf.keras": "tensorflow",
+           "flax": "jax", "mx": "mxnet", "gluon": "mxnet"}  # fmt: skip
+
+# the methods that only one framework's MixedPrecision has; ``backward``, ``step``, ``watch`` and
+# ``autocast`` are shared (tests/test_front_ends.py checks this table against the classes)
+IDIOMS = {
+    "unscale_": "torch",
+    "scope": "tensorflow", "optimizer": "tensorflow", "scale": "tensorflow", "apply": "tensorflow",
+    "callback": "tensorflow",
+    "init": "jax", "update": "jax", "grad": "jax", "value_and_grad": "jax", "sync": "jax",
+    "trainer": "mxnet", "scale_loss": "mxnet",
+}  # fmt: skip
+
+
+def canonical_framework(name: Any) -> str:
+    """polyamp's name for a framework name or alias ('pytorch' -> 'torch'), else PolyampError."""
+    key = name.strip().lower() if isinstance(name, str) else None
+    key = ALIASES.get(key, key)
+    if key not in FRAMEWORKS:
+        raise invalid("framework", name, [*FRAMEWORKS, *ALIASES])
+    return key
+
+
+def detect(obj: Any) -> str | None:
+    """The framework an object (tensor, model, optimizer) belongs to, or None."""
+    for cls in type(obj).__mro__:
+        root = cls.__module__.split(".")[0]
+        if root in _MODULE_ROOTS and _MODULE_ROOTS[root] in sys.modules:
+            return _MODULE_ROOTS[root]
+    return None
+
+
+def imported_frameworks() -> list[str]:
+    return [name for name in FRAMEWORKS if name in sys.modules]
+
+
+def front_end(name: str) -> type:
+    """The ``MixedPrecision`` class of a framework's front end; imports the framework."""
+    name = canonical_framework(name)
+    module_name = f"polyamp.{name}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] in (name, "keras", "optax"):
+            raise PolyampError(
+                f"framework {name!r} is not installed; install it with pip install 'polyamp[{name}]'"
+            ) from err
+        raise
+    return module.MixedPrecision
+
+
+__all__ = ["ALIASES", "FRAMEWORKS", "IDIOMS", "canonical_framework", "detect", "front_end",
+           "imported_frameworks"]

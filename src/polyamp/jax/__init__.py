@@ -1,0 +1,206 @@
+"""polyamp's JAX front end: op-level autocast of a function (``autocast.py``) and functional loss scaling.
+
+    f = mp.autocast(loss_fn)                      # matmuls bf16 in / f32 accumulate, reductions f32
+    state = mp.init()                             # mp.state as a pytree of arrays
+    (loss, grads), finite, state = mp.value_and_grad(f)(params, batch, state=state)
+    params, opt_state = step_if_finite(finite, optimizer, grads, opt_state, params)
+
+``mp.grad(fn, argnums=0, has_aux=False, axis_name=None)(*args, state=state)`` returns
+``(grads, finite, new_state)`` (``((grads, aux), ...)`` with ``has_aux=True``);
+``mp.value_and_grad`` returns ``((value, grads), finite, new_state)`` (``value`` is
+``(loss, aux)`` with ``has_aux``). The loss is multiplied by ``state.scale`` in float32
+before differentiation and the grads are multiplied by ``1/scale`` after, so they are unscaled;
+``finite`` is one fused all-finite reduction over every floating gradient (all-reduced with
+``lax.pmin`` over ``axis_name`` inside ``shard_map``/``pmap``); ``new_state`` is the
+loss-scale update of ``scaling.py`` written with selects. Nothing syncs with the host, so the
+whole step stays in one ``jit``. ``mp.sync(state)`` brings a state back to ``mp.state`` (for
+``mp.state_dict()``, ``mp.current_scale`` and the too-many-skips check). A jitted step cannot
+raise, so ``NonFiniteError`` and the warning at the first skip of a bf16/float32 run come only
+from ``mp.sync``: call it every few hundred steps (one small device-to-host copy).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..errors import PolyampError, UnsupportedError
+from ..mixed_precision import MixedPrecision as _Base
+from ..mixed_precision import WrongIdiomError
+from ..scaling import COUNTERS, LossScaleState, NoLossScale
+from . import autocast as _autocast
+from .autocast import DEFAULT_RULES, AutocastRules, check_arguments
+from .tree import all_finite, cast_tree, select_tree, step_if_finite
+
+# the loss-scale state is a pytree here: the scale and the counters are leaves (next_scale, only
+# used by MXNet's one-step lag, is static)
+jax.tree_util.register_dataclass(LossScaleState, data_fields=["scale", *COUNTERS], meta_fields=["next_scale"])
+
+
+class MixedPrecision(_Base):
+    """Mixed precision for one JAX training run (see ``polyamp.MixedPrecision``): functional,
+    the loss-scale state passed in and out of the jitted step."""
+
+    framework = "jax"
+
+    def autocast(self, fn=None, *, enabled: bool = True, rules: AutocastRules | None = None):
+        """``fn`` rewritten so its matmuls and convolutions run in the compute dtype (float32
+        accumulation), reductions and exp/log in float32; ``rules`` is an ``AutocastRules`` table."""
+        if fn is None:
+            raise PolyampError("JAX has no autocast context; mp.autocast rewrites a function: "
+                               f"f = mp.autocast(loss_fn{', rules=rules' if rules is not None else ''})")
+        rules = DEFAULT_RULES if rules is None else rules
+        check_arguments(fn, rules)
+        policy = self.policy
+        if policy.compute_dtype == "float64" or policy.param_dtype == "float64":
+            if not jax.config.jax_enable_x64:
+                raise UnsupportedError(
+                    f"policy {policy.name!r} needs float64, which JAX disables by default; set "
+                    "jax.config.update('jax_enable_x64', True) first, or use float32/bf16-mixed/fp16-mixed"
+                )
+        if not (enabled and policy.compute_dtype in ("bfloat16", "float16")):
+            return fn
+        _check_device_supports(policy.compute_dtype)
+        return _autocast.autocast(fn, policy.compute_dtype, policy.output_dtype, rules)
+
+    def __getattr__(self, name: str):
+        if name in ("backward", "step", "apply"):  # the eager and Keras steps
+            raise _functional(f"mp.{name}")
+        return super().__getattr__(name)
+
+    def init(self) -> LossScaleState:
+        """``mp.state`` with 0-d arrays as fields (float32 scale, int32 counters): the pytree to
+        thread through a jitted train step."""
+        self.loss_scale.check_traceable("jit")
+        host = self.state
+        return LossScaleState(scale=jnp.asarray(host.scale, jnp.float32),
+                              **{k: jnp.asarray(getattr(host, k), jnp.int32) for k in COUNTERS})  # fmt: skip
+
+    def update(self, state: LossScaleState, finite) -> LossScaleState:
+        """The state after a step whose gradients were ``finite`` (a 0-d bool array) or not:
+        the loss-scale rule on arrays, so it runs inside ``jit`` (``value_and_grad`` calls it)."""
+        _check_state(state)
+        fields = {k: getattr(state, k) for k in ("scale", *COUNTERS)}
+        return LossScaleState(**self.loss_scale.update_arrays(fields, finite, jnp))
+
+    def sync(self, state: LossScaleState) -> LossScaleState:
+        """Adopt a state from ``init``/``grad`` as ``mp.state`` (one small device-to-host copy),
+        so that ``state_dict()`` and ``current_scale`` reflect it; warns at the first skipped step
+        of a run without loss scaling and raises ``NonFiniteError`` after too many in a row."""
+        _check_state(state)
+        before = self.state.skipped
+        self.state = jax.device_get(state).on_host()
+        self.loss_scale.check(self.state, skipped_before=before)
+        return self.state
+
+    def grad(self, fn, **kwargs):
+        """Like ``jax.grad`` of a scalar loss: ``f(*args, state=state)`` returns
+        ``(grads, finite, new_state)`` (``((grads, aux), ...)`` with ``has_aux=True``)."""
+        value_and_grad = self.value_and_grad(fn, **kwargs)
+        has_aux = kwargs.get("has_aux", False)
+
+        @functools.wraps(fn)
+        def grad_fn(*args, **kw):
+            (value, grads), finite, state = value_and_grad(*args, **kw)
+            return ((grads, value[1]) if has_aux else grads), finite, state
+
+        return grad_fn
+
+    def value_and_grad(self, fn, *, argnums=0, has_aux: bool = False, axis_name=None):
+        """Like ``jax.value_and_grad``: ``f(*args, state=state)`` returns
+        ``((value, grads), finite, new_state)``."""
+        if not callable(fn):
+            raise PolyampError(f"value_and_grad expects the loss function, got {type(fn).__name__}")
+        guard, policy = self.guard, self.policy
+        scaling = not isinstance(self.loss_scale, NoLossScale)
+
+        @functools.wraps(fn)
+        def value_and_grad_fn(*args, state=None, **kwargs):
+            _check_state(state)
+            _check_param_dtypes(args, argnums, policy)
+
+            def scaled(*a, **k):
+                out = fn(*a, **k)
+                loss, aux = out if has_aux else (out, None)
+                _check_loss(loss)
+                big = loss.astype(jnp.float32) * state.scale if scaling else loss
+                return big, (loss, aux)
+
+            (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)(
+                *args, **kwargs
+            )
+            if scaling:
+                inv = 1.0 / state.scale
+                grads = jax.tree.map(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), grads)
+            finite = all_finite(grads) if guard else jnp.asarray(True)
+            if axis_name is not None:
+                finite = lax.pmin(finite.astype(jnp.int32), axis_name) == 1
+            value = (loss, aux) if has_aux else loss
+            return (value, grads), finite, self.update(state, finite)
+
+        return value_and_grad_fn
+
+
+def _functional(call: str) -> WrongIdiomError:
+    return WrongIdiomError(
+        f"JAX is functional: instead of {call}, use (loss, grads), finite, state = "
+        "mp.value_and_grad(loss_fn)(params, batch, state=state) and polyamp.jax."
+        "step_if_finite(finite, optimizer, grads, opt_state, params)"
+    )
+
+
+def _check_state(state) -> None:
+    if not isinstance(state, LossScaleState):
+        raise PolyampError(
+            f"expected the loss-scale state from mp.init() as state=..., got {type(state).__name__}; "
+            "call f(params, batch, state=state) with state = mp.init() before the loop"
+        )
+
+
+def _check_param_dtypes(args, argnums, policy) -> None:
+    """Under a "true" policy the differentiated arguments must hold the low dtype (checked at trace
+    time, so it costs nothing under ``jit``)."""
+    if policy.param_dtype == "float32":
+        return
+    for i in (argnums,) if isinstance(argnums, int) else argnums:
+        for leaf in jax.tree.leaves(args[i] if i < len(args) else ()):
+            dtype = jnp.result_type(leaf)
+            if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.dtype(policy.param_dtype):
+                raise PolyampError(
+                    f"policy {policy.name!r} keeps parameters in {policy.param_dtype}, but argument {i} "
+                    f"holds a {jnp.shape(leaf)} {dtype} leaf: cast them once, params = "
+                    f"polyamp.jax.cast_tree(params, {policy.param_dtype!r})"
+                )
+
+
+def _check_loss(loss) -> None:
+    dtype = getattr(loss, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or jnp.shape(loss) != ():
+        shape = jnp.shape(loss) if dtype is not None else type(loss).__name__
+        raise PolyampError(f"the loss function must return a floating scalar (or (loss, aux) with "
+                           f"has_aux=True), got {dtype} {shape}")  # fmt: skip
+
+
+def _check_device_supports(dtype: str) -> None:
+    """Compile and run a ``dtype`` matmul accumulating in float32 on the default device, once."""
+    _probe(dtype, jax.default_backend())
+
+
+@functools.cache
+def _probe(dtype: str, backend: str) -> None:
+    try:
+        with jax.ensure_compile_time_eval():  # autocast may be first called inside a jit trace
+            a = jnp.ones((8, 8), dtype)
+            out = jax.jit(lambda x: lax.dot(x, x, preferred_element_type=jnp.float32))(a)
+            ok = bool(jnp.all(out == 8.0))
+    except Exception as err:  # the XLA error text names what the device lacks
+        raise UnsupportedError(f"JAX cannot run {dtype} matmuls on {backend} here: {err}") from err
+    if not ok:
+        raise UnsupportedError(f"JAX computed a wrong {dtype} matmul on {backend}: use another policy")
+
+
+__all__ = ["DEFAULT_RULES", "AutocastRules", "MixedPrecision", "all_finite", "cast_tree", "select_tree",
+           "step_if_finite"]  # fmt: skip

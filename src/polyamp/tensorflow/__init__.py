@@ -1,0 +1,154 @@
+"""polyamp's TensorFlow / Keras 3 front end: ``MixedPrecision`` in Keras's idiom.
+
+    mp = polyamp.MixedPrecision("bf16-mixed")      # this class, when TensorFlow is the framework
+    with mp.scope():                                # layers take the Keras dtype policy
+        model = build_model()
+    model.compile(optimizer=mp.optimizer(keras.optimizers.Adam()), loss=...)   # fit
+    # or a custom loop (eager or inside tf.function):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x))
+    grads = tape.gradient(mp.scale(loss), model.trainable_variables)
+    result = mp.apply(optimizer, grads, model.trainable_variables, clip_grad_norm=1.0)
+
+- The loss-scale state lives in ``tf.Variable``s (float32 scale, int32 counters;
+  ``LossScaleVariables``): ``mp.state``/``current_scale``/``state_dict()`` read them and
+  ``load_state_dict`` assigns them, so the same step runs eagerly and inside ``tf.function``.
+  The step is ``step.py``'s; the Keras dtype policies and ``mp.scope()`` are ``policies.py``'s.
+- Variables with Keras's ``overwrite_with_gradient`` take their "gradient" as their new value, as
+  Keras's ``LossScaleOptimizer`` passes it: it is checked for inf/NaN but neither unscaled nor
+  clipped nor counted in the norm. An inner optimizer's ``loss_scale_factor`` is cleared (as
+  ``LossScaleOptimizer`` does), so the update is not divided a second time.
+- Eagerly the ``StepResult`` holds Python values and names this replica's non-finite gradients and
+  the replicas whose gradients were not finite, and the "scale fell below 1" warning is given;
+  inside ``tf.function`` it holds tensors (a tf.function may return it), ``nonfinite`` and
+  ``nonfinite_ranks`` are empty, no warning is given, and the skip guard is a graph assertion
+  (dropped by XLA) whose error names polyamp's ``NonFiniteError``.
+- A model that computes in float32 under a 16-bit policy (built outside ``mp.scope()``) gets one
+  warning per ``MixedPrecision`` (``model_check.py``).
+- ``PolyampOptimizer`` (``mp.optimizer``, ``fit.py``) is a registered Keras serializable: its config
+  holds the policy, the loss-scale config and state, so a ``.keras`` model reloads and trains on
+  with the same scale. ``LossScaleLogger`` puts the scale and the skipped steps into ``fit``'s logs.
+- Under a distribution strategy, build the optimizer before the first ``tf.function`` step
+  (TensorFlow cannot initialise mirrored variables created inside it; polyamp says so).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from ..errors import PolyampError
+from ..mixed_precision import MixedPrecision as _Base
+from ..scaling import LossScaleState, NoLossScale
+from ..step import StepResult, check_clip_norm
+from .model_check import check_model_layers, check_traced_loss
+from .policies import KERAS_POLICIES, check_keras, keras_policy, keras_scope
+from .step import LossScaleVariables, attach, check_optimizer, check_pairs, run_step, variable_name
+
+
+class MixedPrecision(_Base):
+    """Mixed precision for one TensorFlow / Keras training run (see ``polyamp.MixedPrecision``)."""
+
+    framework = "tensorflow"
+
+    def _setup(self) -> None:
+        self._names: dict[int, str] = {}
+        self._variables: LossScaleVariables | None = None
+
+    @property
+    def state(self) -> LossScaleState:
+        """The loss-scale state, read from its ``tf.Variable``s once they exist."""
+        return self._state if self._variables is None else self._variables.read()
+
+    @state.setter
+    def state(self, value: LossScaleState) -> None:
+        self._state = value
+        if self._variables is not None:
+            self._variables.write(value)
+
+    def loss_scale_variables(self) -> LossScaleVariables:
+        """The state's ``tf.Variable``s, created (outside any tf.function) on first use."""
+        if self._variables is None:
+            self.loss_scale.check_traceable("tf.function")
+            with tf.init_scope():
+                self._variables = LossScaleVariables(self._state)
+        return self._variables
+
+    def parameter_name(self, variable) -> str:
+        """The name ``watch`` learned for ``variable``, else its own path."""
+        return self._names.get(id(variable), variable_name(variable))
+
+    # -- the Keras idiom -------------------------------------------------------------------------
+    def scope(self):
+        """Context manager: Keras layers built inside it take the policy's dtype policy."""
+        check_keras()
+        keras_policy(self.policy)
+        self.loss_scale_variables()  # under the caller's distribution strategy, if any
+        return keras_scope(self.policy)
+
+    def optimizer(self, optimizer: Any):
+        """A Keras optimizer for ``compile``/``fit`` that scales, checks and skips as polyamp does."""
+        self._check_mine(optimizer, "optimizer")
+        check_keras()
+        keras_policy(self.policy)
+        check_optimizer(optimizer)
+        return PolyampOptimizer(self, optimizer)
+
+    def callback(self):
+        """A Keras ``fit`` callback that adds ``loss_scale`` and ``skipped_steps`` to the logs
+        (so to ``History`` and TensorBoard): ``model.fit(..., callbacks=[mp.callback()])``."""
+        return LossScaleLogger(self)
+
+    # -- the custom-loop idiom -------------------------------------------------------------------
+    def scale(self, loss: Any):
+        """``loss * scale`` in float32 for a custom ``GradientTape`` loop (usable inside
+        ``tf.function``; a float16 loss times 2^15 would overflow float16)."""
+        self._check_mine(loss, "loss")
+        keras_policy(self.policy)
+        if not (tf.is_tensor(loss) and loss.dtype.is_floating):
+            raise PolyampError(
+                "loss must be a floating-point TensorFlow tensor, got "
+                f"{getattr(loss, 'dtype', type(loss).__name__)}"
+            )
+        if loss.shape.num_elements() not in (1, None):
+            raise PolyampError(f"loss must be a scalar, got a tensor of shape {loss.shape}")
+        check_traced_loss(self, loss)
+        if isinstance(self.loss_scale, NoLossScale):
+            return loss
+        if loss.dtype in (tf.float16, tf.bfloat16):
+            loss = tf.cast(loss, tf.float32)
+        return loss * tf.cast(self.loss_scale_variables().scale, loss.dtype)
+
+    def apply(self, optimizer: Any, grads: Any, variables: Any, clip_grad_norm: float | None = None
+              ) -> StepResult:  # fmt: skip
+        """Unscale, check, clip, apply or skip, update the scale; returns a ``StepResult``."""
+        self._check_mine(optimizer, "optimizer")
+        check_keras()
+        keras_policy(self.policy)
+        check_optimizer(optimizer)
+        grads, variables = check_pairs(grads, variables)
+        check_clip_norm(clip_grad_norm)
+        attach(optimizer, self.loss_scale_variables())
+        # mp.scale did the scaling: an inner factor would divide the update again (cleared as
+        # LossScaleOptimizer clears it)
+        optimizer.loss_scale_factor = None
+        return run_step(self, optimizer, grads, variables, clip_grad_norm)
+
+    def watch(self, model: Any) -> Any:
+        """Learn the model's variable names (for ``StepResult.nonfinite``); warns when the model
+        computes in float32 under a 16-bit policy (built outside ``mp.scope()``)."""
+        self._check_mine(model, "model")
+        if not isinstance(model, (keras.layers.Layer, tf.Module)):
+            raise PolyampError(f"expected a Keras model or layer, got {type(model).__name__}")
+        check_model_layers(model, self.policy)
+        self._names.update({id(v): variable_name(v) for v in model.variables})
+        return model
+
+
+# the fit path; imported here so that Keras can find PolyampOptimizer when a .keras file loads
+from .fit import LossScaleLogger, PolyampOptimizer  # noqa: E402
+
+__all__ = ["KERAS_POLICIES", "LossScaleLogger", "LossScaleVariables", "MixedPrecision", "PolyampOptimizer",
+           "keras_policy"]  # fmt: skip
