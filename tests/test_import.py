@@ -10,8 +10,11 @@ import pytest
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet", "keras", "jmp")
 
 
-@pytest.mark.parametrize("modules", ["polyamp, polyamp.numerics", "polyamp.policy, polyamp.scaling",
-                                     "polyamp.native"])  # fmt: skip
+CORE_MODULES = ["polyamp, polyamp.numerics", "polyamp.policy, polyamp.scaling", "polyamp.native",
+                "polyamp.mixed_precision, polyamp.eager, polyamp.frameworks"]  # fmt: skip
+
+
+@pytest.mark.parametrize("modules", CORE_MODULES)
 def test_import_polyamp_imports_no_framework(modules):
     code = (
         f"import sys, {modules};"

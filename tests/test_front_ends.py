@@ -1,0 +1,193 @@
+"""One front end per framework over one core: what ``MixedPrecision`` returns, how an unbound one
+binds, which idiom belongs to which framework, and which way the imports point."""
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from frameworks import require
+
+import polyamp as pa
+from polyamp import PolyampError
+from polyamp.frameworks import FRAMEWORKS, IDIOMS
+
+SRC = Path(pa.__file__).parent
+CORE = ["errors", "policy", "presets", "scaling", "step", "native", "frameworks", "mixed_precision", "eager",
+        "numerics"]  # fmt: skip
+SHARED_METHODS = ("backward", "step", "watch", "autocast")
+IN_THIS_VENV = [f for f in FRAMEWORKS if f != "mxnet"]
+
+
+def front_end(name):
+    require({"tensorflow": "keras"}.get(name, name))
+    return importlib.import_module(f"polyamp.{name}").MixedPrecision
+
+
+@pytest.mark.parametrize("name", IN_THIS_VENV)
+def test_mixed_precision_returns_the_framework_s_own_object(name):
+    cls = front_end(name)
+    mp = pa.MixedPrecision("bf16-mixed", framework=name)
+    assert type(mp) is cls and isinstance(mp, pa.MixedPrecision) and mp.framework == name
+    assert cls("bf16-mixed").framework == name  # the class itself needs no framework=
+    other = next(f for f in IN_THIS_VENV if f != name)
+    with pytest.raises(PolyampError, match=f"framework='{other}', but this is polyamp.{name}'s"):
+        cls("bf16-mixed", framework=other)
+
+
+def imported_after(code: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", f"import sys\n{code}\n"
+                          "print(','.join(m for m in ('torch', 'tensorflow', 'jax', 'mxnet', 'keras') "
+                          "if m in sys.modules))"],  # fmt: skip
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return out.stdout.strip().splitlines()[-1].split(",")
+
+
+@pytest.mark.parametrize("name", IN_THIS_VENV)
+def test_a_front_end_imports_its_own_framework_only(name):
+    front_end(name)
+    native = {"torch": "import torch", "jax": "import jax", "tensorflow": "import tensorflow, keras"}[name]
+    assert imported_after(f"import polyamp.{name}") == imported_after(native)
+    assert name in imported_after(f"import polyamp.{name}")
+    others = {"torch": {"tensorflow", "jax", "mxnet"}, "jax": {"torch", "tensorflow", "mxnet"},
+              "tensorflow": {"torch", "mxnet"}}[name]  # fmt: skip
+    assert not others & set(imported_after(f"import polyamp.{name}"))
+
+
+def test_with_one_framework_imported_the_factory_picks_it():
+    require("torch")
+    code = "import torch, polyamp as pa\nprint(type(pa.MixedPrecision('bf16-mixed')).__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "polyamp.torch"
+
+
+def test_an_unbound_one_becomes_the_framework_s_object_and_keeps_its_state():
+    torch = require("torch")
+    require("jax")  # two frameworks imported: the factory cannot choose
+    saved = pa.MixedPrecision("fp16-mixed", framework="torch")
+    saved.state = saved.loss_scale.update(saved.state, False)
+    mp = pa.MixedPrecision("fp16-mixed")
+    assert type(mp).__name__ == "_Unbound" and mp.framework is None
+    mp.load_state_dict(saved.state_dict())
+    model = torch.nn.Linear(3, 1)
+    assert mp.watch(model) is model
+    assert type(mp) is front_end("torch") and mp.state == saved.state and mp.current_scale == 2.0**15
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mp.backward(model(torch.ones(2, 3)).sum())
+    assert mp.step(opt).stepped
+
+
+def test_an_unbound_one_binds_to_keras_at_scope_and_its_variables_take_the_state():
+    require("keras")
+    require("torch")
+    saved = pa.MixedPrecision("fp16-mixed", framework="tensorflow")
+    saved.state = saved.loss_scale.update(saved.state, False)
+    mp = pa.MixedPrecision("fp16-mixed")
+    mp.load_state_dict(saved.state_dict())
+    with mp.scope():
+        pass
+    assert type(mp) is front_end("tensorflow")
+    assert float(mp.loss_scale_variables().scale.numpy()) == 2.0**15 and mp.state == saved.state
+
+
+def test_an_unbound_one_binds_to_jax_at_autocast_of_a_function():
+    jnp = require("jax.numpy")
+    require("torch")
+    mp = pa.MixedPrecision("bf16-mixed")
+    f = mp.autocast(lambda x: (x @ x).sum())
+    assert type(mp) is front_end("jax") and f(jnp.ones((2, 2))).dtype == jnp.float32
+
+
+def test_an_unbound_one_refuses_what_tells_no_framework():
+    require("torch")
+    require("jax")
+    mp = pa.MixedPrecision("bf16-mixed")
+    with pytest.raises(PolyampError, match="must be handed a tensor/model/optimizer .* got builtins.object"):
+        mp.watch(object())
+    with pytest.raises(AttributeError, match="no attribute 'scoop'"):
+        mp.scoop()
+    assert mp.framework is None  # nothing was bound
+
+
+def test_the_idiom_table_matches_the_front_ends():
+    """Each name in IDIOMS is defined by its framework's class only; the shared ones by the eager
+    front ends (and autocast/watch by JAX/Keras as their idioms have them)."""
+    classes = {name: front_end(name) for name in IN_THIS_VENV}
+    for method, owner in IDIOMS.items():
+        if owner in classes:
+            assert callable(getattr(classes[owner], method)), (method, owner)
+        for name, cls in classes.items():
+            if name != owner:
+                assert method not in dir(cls), (method, name)
+    for method in SHARED_METHODS:
+        assert method not in IDIOMS and not hasattr(pa.MixedPrecision, method)
+    assert {m for m in SHARED_METHODS if hasattr(classes["torch"], m)} == set(SHARED_METHODS)
+
+
+def test_another_framework_s_idiom_is_a_clear_error_and_not_an_attribute():
+    require("torch")
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch")
+    with pytest.raises(PolyampError, match=r"scope\(\) is the tensorflow idiom; this MixedPrecision drives "
+                                           r"torch.*framework='tensorflow'"):  # fmt: skip
+        mp.scope()
+    assert not hasattr(mp, "init") and not hasattr(mp, "trainer")
+    jax_mp = pa.MixedPrecision("bf16-mixed", framework="jax")
+    with pytest.raises(PolyampError, match="JAX is functional: instead of mp.step"):
+        jax_mp.step(None)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The polyamp modules ``path`` imports (relative imports resolved)."""
+    package = ["polyamp", *path.relative_to(SRC).parent.parts]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - node.level + 1]
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+            found.update(names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("polyamp"))
+    return found
+
+
+def test_dependencies_point_from_the_front_ends_to_the_core():
+    fronts = [*FRAMEWORKS, "compare", "backends"]
+    for core in CORE:
+        files = sorted((SRC / core).glob("*.py")) if (SRC / core).is_dir() else [SRC / f"{core}.py"]
+        for path in files:
+            for target in imports_of(path):
+                head = target.split(".")[1] if "." in target else ""
+                assert head not in fronts, f"core module {path.name} imports {target}"
+    for name in FRAMEWORKS:
+        for path in sorted((SRC / name).glob("*.py")):
+            for target in imports_of(path):
+                head = target.split(".")[1] if "." in target else ""
+                assert head not in [f for f in fronts if f != name], f"{name}/{path.name} imports {target}"
+
+
+@pytest.mark.parametrize(("old", "new", "name"), [("polyamp.backends.jax", "polyamp.jax", "step_if_finite"),
+                                                   ("polyamp.backends.jax_autocast", "polyamp.jax.autocast",
+                                                    "AutocastRules"),
+                                                   ("polyamp.backends.tensorflow", "polyamp.tensorflow",
+                                                    "LossScaleLogger")])  # fmt: skip
+def test_the_old_module_paths_still_import_with_a_deprecation_warning(old, new, name):
+    require("jax" if "jax" in new else "keras")
+    code = (f"import warnings\nwarnings.simplefilter('always')\nimport {new}\n"
+            f"with warnings.catch_warnings(record=True) as w:\n    import {old} as old\n"
+            f"print(old.{name} is {new}.{name},\n"
+            "      [str(x.message) for x in w if x.category is DeprecationWarning])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == f"True ['{old} moved to {new}']"
+
+
+def test_mxnet_front_end_alone():
+    """In MXNet's environment: the factory picks MXNet, and its front end imports no other framework."""
+    require("mxnet")
+    code = ("import warnings\nwarnings.simplefilter('ignore')\nimport mxnet, polyamp as pa\n"
+            "print(type(pa.MixedPrecision('bf16-mixed')).__module__)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "polyamp.mxnet"
+    assert imported_after("import warnings\nwarnings.simplefilter('ignore')\nimport polyamp.mxnet") == ["mxnet"]
