@@ -108,7 +108,8 @@ def test_an_unbound_one_refuses_what_tells_no_framework():
         mp.watch(object())
     with pytest.raises(AttributeError, match="no attribute 'scoop'"):
         mp.scoop()
-    assert mp.framework is None  # nothing was bound
+    assert hasattr(mp, "scope") and hasattr(mp, "init")  # looking an idiom up binds nothing
+    assert mp.framework is None and type(mp).__name__ == "_Unbound"
 
 
 def test_the_idiom_table_matches_the_front_ends():

@@ -194,13 +194,12 @@ class _Unbound(MixedPrecision):
         if name.startswith("_"):
             raise AttributeError(name)
         owner = IDIOMS.get(name)
-        if owner is not None:
-            return getattr(self._become(owner), name)
-        if name not in ("backward", "step", "watch", "autocast"):
+        if owner is None and name not in ("backward", "step", "watch", "autocast"):
             raise AttributeError(f"'MixedPrecision' object has no attribute {name!r}")
 
-        def call(*args, **kwargs):
-            return getattr(self._become(self._framework_of(name, args)), name)(*args, **kwargs)
+        def call(*args, **kwargs):  # binds when called, not when looked up (hasattr binds nothing)
+            framework = owner or self._framework_of(name, args)
+            return getattr(self._become(framework), name)(*args, **kwargs)
 
         return call
 

@@ -263,7 +263,7 @@ class MXNetOps(EagerOps):
     def unscale_and_check(self, grads, inv_scale: float, group=None) -> tuple[bool, tuple[int, ...]]:
         """``all_finite`` on each scaled gradient into one flag per device, then an in-place
         multiply by ``inv_scale``; one host sync. Workers agree because the check runs after the
-        trainer's all-reduce. (contrib.amp's ``multi_all_finite`` is ~30x slower on CPU.)"""
+        trainer's all-reduce. (contrib.amp's ``multi_all_finite`` is much slower on CPU: docs/mxnet.md.)"""
         if group is not None:
             raise PolyampError(
                 "process_group is not used by the mxnet backend: the trainer's kvstore all-reduces the "

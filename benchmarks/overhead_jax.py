@@ -1,0 +1,150 @@
+"""polyamp's JAX step against the native JAX way (plain ``jax.value_and_grad`` + optax; jmp for
+loss scaling): median step-time ratios.
+
+    python benchmarks/overhead_jax.py [--repeats 15] [--models mlp,charlm]
+
+Models: the ``mlp`` and ``charlm`` workloads of ``polyamp compare`` at full size, Adam. Every
+contender runs the same function (the workload's loss rewritten by ``mp.autocast``, so the
+matmuls are identical), from the same weights on the same batch, as one jitted step with params,
+optimizer state and loss-scale state donated; only the step around the gradients differs. The
+contenders alternate (their order rotates every round), medians after one warm-up step each;
+``ratio`` is the ratio of the medians, ``paired`` the median of the per-round ratios. Cases:
+- bf16: native (no check, as a jmp bf16 policy runs) vs ``MixedPrecision("bf16-mixed")`` (guarded:
+  one fused all-finite reduction and a ``lax.cond`` around the optimizer step) and ``guard=False``;
+- fp16 loss scaling: jmp's ``DynamicLossScale`` idiom (scale, grad, unscale, ``all_finite``,
+  ``adjust``, ``select_tree``) vs ``MixedPrecision("fp16-mixed", loss_scale="jmp")`` with
+  ``step_if_finite``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import jmp
+import optax
+from _timing import alternate  # benchmarks/_timing.py (this folder is on sys.path)
+
+import polyamp as pa
+from polyamp.compare import jax as jax_workloads
+from polyamp.compare.workloads import get_workload
+from polyamp.jax import step_if_finite
+
+
+def setup(name: str, policy: str, **kwargs):
+    """The workload's batch, a fresh copy of its weights and Adam, and the autocast loss."""
+    wl = get_workload(name)
+    mp = pa.MixedPrecision(policy, framework="jax", **kwargs)
+    params = {k: jnp.asarray(w) for k, w in wl.weights.items()}
+    opt = optax.adam(1e-4)
+    loss = mp.autocast(functools.partial(jax_workloads.loss_fn, wl))
+    x, y = jax_workloads.inputs(wl, *wl.batch_at(0))
+    return mp, params, opt, loss, x, y
+
+
+def runner(step, carry, x, y):
+    """A contender: one donated, jitted step per call, timed to the loss on the host."""
+    compiled = jax.jit(step, donate_argnums=(0,))
+    box = [carry]
+
+    def call():
+        box[0], loss = compiled(box[0], x, y)
+        return float(loss)
+
+    return call
+
+
+def native_bf16(name):
+    _, params, opt, loss, x, y = setup(name, "bf16-mixed")
+
+    def step(carry, x, y):
+        params, opt_state = carry
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    return runner(step, (params, opt.init(params)), x, y)
+
+
+def polyamp_step(name, policy, **kwargs):
+    mp, params, opt, loss, x, y = setup(name, policy, **kwargs)
+    value_and_grad = mp.value_and_grad(loss)
+
+    def step(carry, x, y):
+        params, opt_state, state = carry
+        (value, grads), finite, state = value_and_grad(params, x, y, state=state)
+        params, opt_state = step_if_finite(finite, opt, grads, opt_state, params)
+        return (params, opt_state, state), value
+
+    return runner(step, (params, opt.init(params), mp.init()), x, y)
+
+
+def jmp_fp16(name):
+    _, params, opt, loss, x, y = setup(name, "fp16-mixed")
+    scale = jmp.DynamicLossScale(jnp.float32(2.0**15))
+
+    def step(carry, x, y):
+        params, opt_state, scale = carry
+        value, grads = jax.value_and_grad(lambda p: scale.scale(loss(p, x, y)))(params)
+        grads = scale.unscale(grads)
+        finite = jmp.all_finite(grads)
+        scale = scale.adjust(finite)
+        updates, new_opt_state = opt.update(grads, opt_state, params)
+        new = (optax.apply_updates(params, updates), new_opt_state)
+        params, opt_state = jmp.select_tree(finite, new, (params, opt_state))
+        return (params, opt_state, scale), value
+
+    return runner(step, (params, opt.init(params), scale), x, y)
+
+
+def run(contenders: dict, repeats: int) -> dict[str, tuple[float, list[float]]]:
+    """Per contender: its median seconds per step and its per-round times after the warm-up."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+
+    def record(name, fn):
+        def call():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+
+        return call
+
+    medians = alternate({n: record(n, f) for n, f in contenders.items()}, repeats, rotate=True)
+    return {name: (medians[name], times[name][1:]) for name in contenders}
+
+
+def row(model: str, case: str, native, ours) -> str:
+    paired = statistics.median(b / a for a, b in zip(native[1], ours[1]))
+    return (f"{model:8s} {case:34s} {native[0] * 1e3:10.1f} {ours[0] * 1e3:11.1f} "
+            f"{ours[0] / native[0]:7.3f} {paired:7.3f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--models", default="mlp,charlm")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, optax {optax.__version__}, jmp {jmp.__version__}, Adam, jitted donated "
+          "steps, median step time")  # fmt: skip
+    print(f"{'model':8s} {'case':34s} {'native ms':>10s} {'polyamp ms':>11s} {'ratio':>7s} {'paired':>7s}")
+    for name in args.models.split(","):
+        bf16 = run({
+            "native": native_bf16(name),
+            "guarded": polyamp_step(name, "bf16-mixed"),
+            "guard=False": polyamp_step(name, "bf16-mixed", guard=False),
+        }, args.repeats)  # fmt: skip
+        fp16 = run({"jmp": jmp_fp16(name), "polyamp": polyamp_step(name, "fp16-mixed", loss_scale="jmp")},
+                   args.repeats)  # fmt: skip
+        rows = (("bf16 guarded vs native", bf16["native"], bf16["guarded"]),
+                ("bf16 guard=False vs native", bf16["native"], bf16["guard=False"]),
+                ("fp16 vs jmp DynamicLossScale", fp16["jmp"], fp16["polyamp"]))  # fmt: skip
+        for case, native, ours in rows:
+            print(row(name, case, native, ours), flush=True)
+
+
+if __name__ == "__main__":
+    main()
