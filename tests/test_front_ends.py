@@ -191,4 +191,5 @@ def test_mxnet_front_end_alone():
             "print(type(pa.MixedPrecision('bf16-mixed')).__module__)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "polyamp.mxnet"
-    assert imported_after("import warnings\nwarnings.simplefilter('ignore')\nimport polyamp.mxnet") == ["mxnet"]
+    quiet = "import warnings\nwarnings.simplefilter('ignore')\n"
+    assert imported_after(quiet + "import polyamp.mxnet") == ["mxnet"]

@@ -1,15 +1,13 @@
-"""The PyTorch backend end to end, against the real torch.autocast and torch.amp.GradScaler."""
+"""The PyTorch backend end to end, against the real torch.autocast and torch.amp.GradScaler.
 
-import copy
+What every front end must do (fault injection, skip agreement, resume, bad input, every policy
+skipping) is tests/test_contract.py; this file keeps what is this framework's own.
+"""
+
 import dataclasses
 import math
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -109,35 +107,6 @@ def test_fp16_steps_are_bit_identical_to_autocast_plus_gradscaler():
                 assert torch.equal(a, b), step
 
 
-@pytest.mark.parametrize("policy", ["bf16-mixed", "float32"])
-def test_every_policy_skips_nonfinite_steps(policy):
-    model = tiny_model()
-    mp = pa.MixedPrecision(policy, framework="torch", device="cpu")
-    mp.watch(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x, y = next(batches(1))
-    with mp.autocast():
-        loss = nn.functional.mse_loss(model(x).float(), y)
-    mp.backward(loss)
-    inject(model, "nan")
-    before = params_of(model)
-    result = mp.step(opt)
-    assert not result.stepped and result.nonfinite == ("0.weight",)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-
-
-def test_guard_off_steps_through_nan():
-    model = tiny_model()
-    mp = pa.MixedPrecision("bf16-mixed", framework="torch", guard=False, loss_scale="none")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = next(batches(1))
-    mp.backward(nn.functional.mse_loss(model(x), y))
-    inject(model, "nan")
-    assert mp.step(opt).stepped and torch.isnan(model[0].weight).any()
-    with pytest.raises(PolyampError, match="guard=False needs loss_scale='none'"):
-        pa.MixedPrecision("fp16-mixed", framework="torch", guard=False)
-
-
 def test_clipping_reports_the_unscaled_norm_and_clips():
     model, reference = tiny_model(), tiny_model()
     mp = pa.MixedPrecision("fp16-mixed", framework="torch", loss_scale=1024.0)
@@ -208,28 +177,6 @@ def test_several_optimizers_and_param_groups_step_or_skip_together():
     assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-# -- fault injection -------------------------------------------------------------------------------
-def test_fault_injection_2000_steps():
-    rng = np.random.default_rng(0)
-    model = tiny_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ls = pa.DynamicLossScale(growth_interval=50)
-    mp = pa.MixedPrecision("fp16-mixed", framework="torch", loss_scale=ls)
-    injected = skipped = 0
-    for x, y in batches(2000, size=8):
-        opt.zero_grad()
-        mp.backward(nn.functional.mse_loss(model(x), y))
-        if rng.random() < 0.05:
-            injected += 1
-            grad = list(model.parameters())[rng.integers(4)].grad
-            grad.view(-1)[rng.integers(grad.numel())] = rng.choice([math.inf, -math.inf, math.nan])
-        result = mp.step(opt)
-        skipped += not result.stepped
-        assert ls.min_scale <= result.scale <= ls.max_scale
-    assert injected > 60 and skipped == injected
-    assert all(torch.isfinite(p).all() for p in model.parameters())
-
-
 def test_too_many_consecutive_skips_raise_naming_the_origin():
     model = tiny_model()
     mp = pa.MixedPrecision("fp16-mixed", framework="torch",
@@ -261,73 +208,6 @@ def test_debug_names_the_first_module_with_a_nonfinite_output():
     assert not result.stepped and result.origin == "forward output of 1"
 
 
-# -- checkpoints -----------------------------------------------------------------------------------
-RESUME = textwrap.dedent(
-    """
-    import sys, torch, polyamp as pa
-    from torch import nn
-    mode, path, start, stop = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu",
-                           loss_scale=pa.DynamicLossScale(growth_interval=3))
-    if mode == "resume":
-        ckpt = torch.load(path)
-        model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["opt"])
-        mp.load_state_dict(ckpt["mp"])
-    g = torch.Generator().manual_seed(1)
-    data = [torch.randn(16, 8, generator=g) for _ in range(stop)]
-    for step in range(start, stop):
-        x = data[step]
-        opt.zero_grad()
-        with mp.autocast():
-            loss = nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True).sin())
-        mp.backward(loss)
-        if step % 7 == 3:
-            model[0].weight.grad[0, 0] = float("inf")
-        mp.step(opt)
-    if mode == "save":
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "mp": mp.state_dict()}, path)
-    else:
-        torch.save({"params": [p.detach() for p in model.parameters()], "scale": mp.current_scale,
-                    "state": mp.state_dict()}, path + ".final")
-    """
-)
-
-
-def test_resume_in_a_new_process_is_bit_identical(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(RESUME)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-
-    def run(*args):
-        subprocess.run([sys.executable, str(script), *map(str, args)], check=True, env=env)
-
-    run("full", tmp_path / "full", 0, 40)
-    run("save", tmp_path / "ckpt", 0, 17)
-    run("resume", tmp_path / "ckpt", 17, 40)
-    full = torch.load(tmp_path / "full.final")
-    resumed = torch.load(tmp_path / "ckpt.final")
-    assert full["scale"] == resumed["scale"] and full["state"] == resumed["state"]
-    assert all(torch.equal(a, b) for a, b in zip(full["params"], resumed["params"]))
-
-
-def test_state_dict_round_trip_and_policy_mismatch():
-    mp = pa.MixedPrecision("fp16-mixed", framework="torch")
-    model = tiny_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mp.backward(model(torch.randn(2, 8)).sum())
-    inject(model, "inf")
-    mp.step(opt)
-    saved = copy.deepcopy(mp.state_dict())
-    other = pa.MixedPrecision("fp16-mixed", framework="torch")
-    other.load_state_dict(saved)
-    assert other.state == mp.state and other.current_scale == 2.0**15
-    with pytest.raises(PolyampError, match="saved with policy 'fp16-mixed'"):
-        pa.MixedPrecision("bf16-mixed", framework="torch").load_state_dict(saved)
-
-
 # -- bad input -------------------------------------------------------------------------------------
 def test_bad_input_is_one_clear_error_and_changes_nothing():
     with pytest.raises(PolyampError, match="'fp17'"):
@@ -335,16 +215,12 @@ def test_bad_input_is_one_clear_error_and_changes_nothing():
     model = tiny_model()
     mp = pa.MixedPrecision("fp16-mixed", framework="torch")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(PolyampError, match="loss must be a floating-point torch tensor"):
-        mp.backward(torch.tensor(3))
     with pytest.raises(PolyampError, match="no parameter has a gradient"):
         mp.step(opt)
     empty = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     empty.param_groups[0]["params"] = []
     with pytest.raises(PolyampError, match="has no parameters"):
         mp.step(empty)
-    with pytest.raises(PolyampError, match="clip_grad_norm must be a positive number"):
-        mp.step(opt, clip_grad_norm=-1)
     mp.backward(model(torch.randn(2, 8)).sum())
     grads = [p.grad.clone() for p in model.parameters()]
     with pytest.raises(PolyampError, match="batch_size=4 is for MXNet"):
