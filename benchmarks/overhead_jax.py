@@ -14,6 +14,10 @@ contenders alternate (their order rotates every round), medians after one warm-u
 - fp16 loss scaling: jmp's ``DynamicLossScale`` idiom (scale, grad, unscale, ``all_finite``,
   ``adjust``, ``select_tree``) vs ``MixedPrecision("fp16-mixed", loss_scale="jmp")`` with
   ``step_if_finite``.
+- ``--floor``: two more bf16 rows, the native step with the optimizer update inside a ``lax.cond``
+  on a flag known before the backward pass (what the conditional costs) and on the all-finite flag
+  of the gradients (what waiting for every gradient before any update costs, as an exact skip must:
+  without it XLA overlaps the last layers' updates with the first layers' backward).
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import jax.numpy as jnp
 import jmp
 import optax
 from _timing import alternate  # benchmarks/_timing.py (this folder is on sys.path)
+from jax import lax
 
 import polyamp as pa
 from polyamp.compare import jax as jax_workloads
 from polyamp.compare.workloads import get_workload
-from polyamp.jax import step_if_finite
+from polyamp.jax import all_finite, step_if_finite
 
 
 def setup(name: str, policy: str, **kwargs):
@@ -58,16 +63,26 @@ def runner(step, carry, x, y):
     return call
 
 
-def native_bf16(name):
+def native_bf16(name, gate=None):
+    """The native bf16 step; ``gate``: its update under ``lax.cond`` on a flag passed in
+    (``"input"``) or on whether every gradient is finite (``"grads"``)."""
     _, params, opt, loss, x, y = setup(name, "bf16-mixed")
 
-    def step(carry, x, y):
-        params, opt_state = carry
-        value, grads = jax.value_and_grad(loss)(params, x, y)
+    def update(operands):
+        grads, opt_state, params = operands
         updates, opt_state = opt.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), value
+        return optax.apply_updates(params, updates), opt_state
 
-    return runner(step, (params, opt.init(params)), x, y)
+    def step(carry, x, y):
+        params, opt_state, flag = carry
+        value, grads = jax.value_and_grad(loss)(params, x, y)
+        if gate is None:
+            return (*update((grads, opt_state, params)), flag), value
+        flag = all_finite(grads) if gate == "grads" else flag
+        params, opt_state = lax.cond(flag, update, lambda ops: (ops[2], ops[1]), (grads, opt_state, params))
+        return (params, opt_state, flag), value
+
+    return runner(step, (params, opt.init(params), jnp.asarray(True)), x, y)
 
 
 def polyamp_step(name, policy, **kwargs):
@@ -127,20 +142,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--models", default="mlp,charlm")
+    parser.add_argument("--floor", action="store_true", help="add the two gated native bf16 rows")
     args = parser.parse_args()
     print(f"jax {jax.__version__}, optax {optax.__version__}, jmp {jmp.__version__}, Adam, jitted donated "
           "steps, median step time")  # fmt: skip
     print(f"{'model':8s} {'case':34s} {'native ms':>10s} {'polyamp ms':>11s} {'ratio':>7s} {'paired':>7s}")
     for name in args.models.split(","):
-        bf16 = run({
+        contenders = {
             "native": native_bf16(name),
             "guarded": polyamp_step(name, "bf16-mixed"),
             "guard=False": polyamp_step(name, "bf16-mixed", guard=False),
-        }, args.repeats)  # fmt: skip
+        }
+        if args.floor:
+            contenders["native, cond on input flag"] = native_bf16(name, "input")
+            contenders["native, cond on all grads"] = native_bf16(name, "grads")
+        bf16 = run(contenders, args.repeats)
         fp16 = run({"jmp": jmp_fp16(name), "polyamp": polyamp_step(name, "fp16-mixed", loss_scale="jmp")},
                    args.repeats)  # fmt: skip
         rows = (("bf16 guarded vs native", bf16["native"], bf16["guarded"]),
                 ("bf16 guard=False vs native", bf16["native"], bf16["guard=False"]),
+                *((f"bf16 {case}", bf16["native"], bf16[case]) for case in contenders if "cond" in case),
                 ("fp16 vs jmp DynamicLossScale", fp16["jmp"], fp16["polyamp"]))  # fmt: skip
         for case, native, ours in rows:
             print(row(name, case, native, ours), flush=True)
