@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import jmp
 import optax
-from _timing import alternate  # benchmarks/_timing.py (this folder is on sys.path)
+from _timing import ratio_row, run_paired  # benchmarks/_timing.py (this folder is on sys.path)
 from jax import lax
 
 import polyamp as pa
@@ -116,28 +114,6 @@ def jmp_fp16(name):
     return runner(step, (params, opt.init(params), scale), x, y)
 
 
-def run(contenders: dict, repeats: int) -> dict[str, tuple[float, list[float]]]:
-    """Per contender: its median seconds per step and its per-round times after the warm-up."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-
-    def record(name, fn):
-        def call():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-
-        return call
-
-    medians = alternate({n: record(n, f) for n, f in contenders.items()}, repeats, rotate=True)
-    return {name: (medians[name], times[name][1:]) for name in contenders}
-
-
-def row(model: str, case: str, native, ours) -> str:
-    paired = statistics.median(b / a for a, b in zip(native[1], ours[1]))
-    return (f"{model:8s} {case:34s} {native[0] * 1e3:10.1f} {ours[0] * 1e3:11.1f} "
-            f"{ours[0] / native[0]:7.3f} {paired:7.3f}")  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -156,15 +132,15 @@ def main() -> None:
         if args.floor:
             contenders["native, cond on input flag"] = native_bf16(name, "input")
             contenders["native, cond on all grads"] = native_bf16(name, "grads")
-        bf16 = run(contenders, args.repeats)
-        fp16 = run({"jmp": jmp_fp16(name), "polyamp": polyamp_step(name, "fp16-mixed", loss_scale="jmp")},
-                   args.repeats)  # fmt: skip
+        bf16 = run_paired(contenders, args.repeats)
+        scaled = polyamp_step(name, "fp16-mixed", loss_scale="jmp")
+        fp16 = run_paired({"jmp": jmp_fp16(name), "polyamp": scaled}, args.repeats)
         rows = (("bf16 guarded vs native", bf16["native"], bf16["guarded"]),
                 ("bf16 guard=False vs native", bf16["native"], bf16["guard=False"]),
                 *((f"bf16 {case}", bf16["native"], bf16[case]) for case in contenders if "cond" in case),
                 ("fp16 vs jmp DynamicLossScale", fp16["jmp"], fp16["polyamp"]))  # fmt: skip
         for case, native, ours in rows:
-            print(row(name, case, native, ours), flush=True)
+            print(ratio_row(name, case, native, ours), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 import warnings
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -32,7 +30,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from _timing import alternate  # noqa: E402 - benchmarks/_timing.py (this folder is on sys.path)
+from _timing import ratio_row, run_paired  # noqa: E402 - benchmarks/_timing.py (this folder is on sys.path)
 
 import polyamp as pa  # noqa: E402
 from polyamp.compare import tensorflow as tf_workloads  # noqa: E402
@@ -114,34 +112,6 @@ def polyamp_step(name, mp):
     return lambda: float(step(x, y))
 
 
-def timed(contenders: dict) -> tuple[dict, dict[str, list[float]]]:
-    """The contenders, each recording its call times (the warm-up first), and those records."""
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-
-    def record(name, fn):
-        def call():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-
-        return call
-
-    return {name: record(name, fn) for name, fn in contenders.items()}, times
-
-
-def run(contenders: dict, repeats: int) -> dict[str, tuple[float, list[float]]]:
-    """Per contender: its median seconds per step and its per-round times after the warm-up."""
-    wrapped, times = timed(contenders)
-    medians = alternate(wrapped, repeats, rotate=True)
-    return {name: (medians[name], times[name][1:]) for name in contenders}
-
-
-def row(name: str, case: str, native, ours) -> str:
-    paired = statistics.median(b / a for a, b in zip(native[1], ours[1]))
-    return (f"{name:8s} {case:34s} {native[0] * 1e3:10.1f} {ours[0] * 1e3:11.1f} "
-            f"{ours[0] / native[0]:7.3f} {paired:7.3f}")  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -165,20 +135,20 @@ def main() -> None:
         if args.floor:
             contenders["native, cond on loss"] = gated_step(name, False)
             contenders["native, cond on all grads"] = gated_step(name, True)
-        bf16 = run(contenders, args.repeats)
+        bf16 = run_paired(contenders, args.repeats)
         rows.append(("bf16 guarded vs mixed_bfloat16", bf16["native"], bf16["guarded"]))
         rows.append(("bf16 guard=False vs mixed_bfloat16", bf16["native"], bf16["guard=False"]))
         for case in ("native, cond on loss", "native, cond on all grads") if args.floor else ():
             rows.append((f"bf16 {case}", bf16["native"], bf16[case]))
         if args.fp16_repeats:
-            fp16 = run({
+            fp16 = run_paired({
                 "native": native_step(name, "fp16-mixed", True),
                 "polyamp": polyamp_step(name, pa.MixedPrecision(
                     "fp16-mixed", framework="tensorflow", loss_scale="keras")),
             }, args.fp16_repeats)  # fmt: skip
             rows.append(("fp16 vs mixed_float16 + LSO", fp16["native"], fp16["polyamp"]))
         for case, native, ours in rows:
-            print(row(name, case, native, ours), flush=True)
+            print(ratio_row(name, case, native, ours), flush=True)
 
 
 if __name__ == "__main__":
