@@ -186,3 +186,26 @@ def test_bad_compare_arguments(capsys):
     assert "unknown workload 'imagenet'" in capsys.readouterr().err
     assert main(["compare", "--policies", "fp12"]) == 2
     assert "'fp12'" in capsys.readouterr().err
+
+
+def test_mxnet_is_found_from_any_directory_or_reported_with_how_to_install(tmp_path, monkeypatch):
+    """MXNet's interpreter: --mxnet-python / POLYAMP_MXNET_PYTHON, else the project's .venv-mxnet
+    wherever compare runs from; without one, its cases are rows saying how to install it."""
+    monkeypatch.delenv("POLYAMP_MXNET_PYTHON", raising=False)
+    monkeypatch.chdir(tmp_path)  # no .venv-mxnet here
+    expected = "mxnet" if runner.PROJECT_MXNET_PYTHON.exists() else None
+    assert ("mxnet" in runner.installed_frameworks()) == (expected == "mxnet")
+    monkeypatch.setattr(runner, "PROJECT_MXNET_PYTHON", tmp_path / "nowhere" / "python")
+    assert "mxnet" not in runner.installed_frameworks()
+    assert ("mxnet", "digits", "float32") in runner.plan(workloads=["digits"])  # not dropped
+    with pytest.raises(PolyampError, match=r"mxnet is not installed here \(MXNet 1.9 needs numpy<1.24"):
+        runner.plan(frameworks=["mxnet"])
+    records = runner.run([("mxnet", "digits", "float32"), ("mxnet", "mlp", "float32")], quick=True)
+    assert [r["status"] for r in records] == [runner.NOT_INSTALLED] * 2
+    assert all("make venv-mxnet" in r["error"] and "--mxnet-python" in r["error"] for r in records)
+    monkeypatch.setenv("POLYAMP_MXNET_PYTHON", str(tmp_path / "missing"))
+    with pytest.raises(PolyampError, match="MXNet interpreter .*missing.* does not exist"):
+        runner.installed_frameworks()
+    code = main(["compare", "--frameworks", "mxnet", "--mxnet-python", str(tmp_path / "missing"),
+                 "--out", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2

@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="workloads x frameworks x policies: speed, memory, parity",
                        epilog="exit status: 0 every case ran or is unsupported here, 1 a case crashed or "
                        "timed out, 2 bad options")  # fmt: skip
-    p.add_argument("--frameworks", help="comma-separated (default: every installed one)")
+    p.add_argument("--frameworks", help="comma-separated (default: all four; one not installed gets rows "
+                   "that say how to install it)")  # fmt: skip
     p.add_argument("--workloads", help="comma-separated: mlp, charlm, digits (default: all)")
     p.add_argument("--policies", help="comma-separated (default: float32,bf16-mixed,fp16-mixed)")
     p.add_argument("--steps", type=_steps, help="training steps per case, >= 1 (default: per workload)")
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds before a case is abandoned")
     p.add_argument("--out", default="compare-report", help="output folder (default: compare-report)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--mxnet-python", metavar="PATH", help="the Python of MXNet's environment (default: "
+                   "$POLYAMP_MXNET_PYTHON, else the project's .venv-mxnet)")  # fmt: skip
 
     args = parser.parse_args(_cast_values_last(sys.argv[1:] if argv is None else list(argv)))
     try:

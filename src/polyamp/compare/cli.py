@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -20,6 +21,8 @@ def compare(args) -> int:
     An ``unsupported`` case (the framework refuses the request on this machine) is reported, not a crash.
     """
     runner.check_options(args.steps, args.budget, args.timeout)
+    if getattr(args, "mxnet_python", None):
+        os.environ["POLYAMP_MXNET_PYTHON"] = args.mxnet_python  # mxnet_python() checks that it exists
     cases = runner.plan(_split(args.frameworks), _split(args.workloads), _split(args.policies))
     started = time.perf_counter()
     records = _run_with_progress(cases, args)
@@ -44,6 +47,10 @@ def compare(args) -> int:
         print(terminal_table(report["rows"], smoke=args.quick))
         print(f"\n{len(records)} cases in {settings['total_s']:.0f} s. Report: {paths['markdown']}")
         print("Plots: " + ", ".join(str(p) for p in paths["plots"]))
+    missing = sorted({r["framework"] for r in records if r.get("status") == runner.NOT_INSTALLED})
+    for name in missing:
+        how = runner.HOW_TO_INSTALL[name]
+        print(f"polyamp compare: {name} is not installed here: {how}", file=sys.stderr)
     crashed = [r for r in records if r.get("status") in runner.CRASHED]
     if not crashed:
         return 0

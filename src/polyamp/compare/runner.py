@@ -29,21 +29,46 @@ from .workloads import WORKLOADS, check_steps
 
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
 DEFAULT_POLICIES = ("float32", "bf16-mixed", "fp16-mixed")
-MXNET_PYTHON = Path(".venv-mxnet/bin/python")
+# the project's own MXNet environment (``make venv-mxnet``), for a source checkout
+PROJECT_MXNET_PYTHON = Path(__file__).resolve().parents[3] / ".venv-mxnet" / "bin" / "python"
 # contrib.amp patches MXNet's operators for the whole process, in one dtype: one process per policy
 _AMP_PER_PROCESS = ("mxnet",)
 CRASHED = ("failed", "timeout")  # the statuses of a case that crashed; "unsupported" is not one
+NOT_INSTALLED = "not installed"
+HOW_TO_INSTALL = {
+    "torch": "pip install torch==2.13.0 'polyamp[torch]' (or make venv in a checkout)",
+    "tensorflow": "pip install 'polyamp[tensorflow]' (or make venv in a checkout)",
+    "jax": "pip install 'polyamp[jax]' (or make venv in a checkout)",
+    "mxnet": "MXNet 1.9 needs numpy<1.24, so its own environment: make venv-mxnet in a checkout (or "
+    "python3.11 -m venv .venv-mxnet && .venv-mxnet/bin/pip install 'polyamp[mxnet]' 'numpy<1.24'), "
+    "then pass --mxnet-python PATH or set POLYAMP_MXNET_PYTHON",
+}
+
+
+def mxnet_python() -> Path | None:
+    """The Python that runs MXNet's cases: ``POLYAMP_MXNET_PYTHON`` (``--mxnet-python`` sets it),
+    else the project's ``.venv-mxnet`` (next to its pyproject.toml), else ``./.venv-mxnet``."""
+    given = os.environ.get("POLYAMP_MXNET_PYTHON")
+    if given:
+        if not Path(given).exists():
+            raise PolyampError(f"the MXNet interpreter {given!r} (--mxnet-python / POLYAMP_MXNET_PYTHON) "
+                               "does not exist")  # fmt: skip
+        return Path(given)
+    for path in (PROJECT_MXNET_PYTHON, Path(".venv-mxnet/bin/python")):
+        if path.exists():
+            return path
+    return None
 
 
 def interpreter(framework: str) -> str | None:
     """The Python that runs a framework's cases, or None where the framework is not installed.
 
-    MXNet needs numpy < 1.24 and lives in its own environment (``.venv-mxnet``)."""
+    MXNet needs numpy < 1.24 and lives in its own environment (``mxnet_python``)."""
     if not _has_module(f"polyamp.compare.{framework}"):
         return None
     if framework == "mxnet":
-        path = Path(os.environ.get("POLYAMP_MXNET_PYTHON", MXNET_PYTHON))
-        return str(path) if path.exists() else None
+        path = mxnet_python()
+        return str(path) if path is not None else None
     return sys.executable if _has_module(framework) else None
 
 
@@ -62,14 +87,18 @@ def _check_framework(name) -> None:
     if name not in FRAMEWORKS:
         raise PolyampError(f"unknown framework {name!r}; accepted: {', '.join(FRAMEWORKS)}")
     if interpreter(name) is None:
-        raise PolyampError(f"{name} is not installed here; installed: {', '.join(installed_frameworks())}")
+        raise PolyampError(f"{name} is not installed here ({HOW_TO_INSTALL[name]}); installed: "
+                           f"{', '.join(installed_frameworks()) or 'none'}")  # fmt: skip
 
 
 def plan(frameworks=None, workloads=None, policies=None) -> list[tuple[str, str, str]]:
-    """The cases to run, float32 first within each (framework, workload)."""
-    frameworks = list(frameworks or installed_frameworks())
+    """The cases to run, float32 first within each (framework, workload). Without ``frameworks``:
+    all four, a framework that is not installed getting records that say how to install it."""
+    named = frameworks is not None
+    frameworks = list(frameworks or FRAMEWORKS)
     for name in frameworks:
-        _check_framework(name)
+        if named or name not in FRAMEWORKS:
+            _check_framework(name)
     workloads = list(workloads or WORKLOADS)
     for name in workloads:
         if name not in WORKLOADS:
@@ -107,7 +136,8 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
     for case in cases:
         if len(case) != 3:
             raise PolyampError(f"a case is (framework, workload, policy); got {case!r}")
-        _check_framework(case[0])
+        if case[0] not in FRAMEWORKS:
+            raise PolyampError(f"unknown framework {case[0]!r}; accepted: {', '.join(FRAMEWORKS)}")
     reuse = quick if reuse is None else reuse
     if jobs is None:
         jobs = (os.cpu_count() or 1) if quick else 1
@@ -132,8 +162,14 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
                                    lambda k, record, group=group: notify(group[k], record))  # fmt: skip
             group = group[done:]
 
-    groups = _process_groups(cases, reuse)
-    if jobs == 1 or len(groups) == 1:
+    missing = [i for i, case in enumerate(cases) if interpreter(case[0]) is None]
+    for i in missing:
+        notify(i, None)
+        notify(i, _error_record(cases[i], NOT_INSTALLED, HOW_TO_INSTALL[cases[i][0]]))
+    groups = _process_groups([c for i, c in enumerate(cases) if i not in missing], reuse)
+    present = [i for i in range(len(cases)) if i not in missing]
+    groups = [[present[k] for k in group] for group in groups]
+    if jobs == 1 or len(groups) <= 1:
         for group in groups:
             run_group(group)
     else:
