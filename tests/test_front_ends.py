@@ -173,9 +173,11 @@ def test_dependencies_point_from_the_front_ends_to_the_core():
                                                    ("polyamp.backends.jax_autocast", "polyamp.jax.autocast",
                                                     "AutocastRules"),
                                                    ("polyamp.backends.tensorflow", "polyamp.tensorflow",
-                                                    "LossScaleLogger")])  # fmt: skip
+                                                    "LossScaleLogger"),
+                                                   ("polyamp.training", "polyamp.mixed_precision",
+                                                    "MixedPrecision")])  # fmt: skip
 def test_the_old_module_paths_still_import_with_a_deprecation_warning(old, new, name):
-    require("jax" if "jax" in new else "keras")
+    require("jax" if "jax" in new else "keras" if "tensorflow" in new else "numpy")
     code = (f"import warnings\nwarnings.simplefilter('always')\nimport {new}\n"
             f"with warnings.catch_warnings(record=True) as w:\n    import {old} as old\n"
             f"print(old.{name} is {new}.{name},\n"
