@@ -48,9 +48,6 @@ def network(wl):
     net = workloads.CharLM(wl) if wl.name == "charlm" else workloads.MLP(wl)
     net.initialize()
     workloads._load(net, wl.weights)
-    if wl.name == "charlm":
-        net.embed.set_data(mx.nd.array(wl.weights["embed"]))
-        net.pos.set_data(mx.nd.array(wl.weights["pos"]))
     net.hybridize(static_alloc=True, static_shape=True)
     x, y = wl.batch_at(0)
     ce = gluon.loss.SoftmaxCrossEntropyLoss(axis=-1)

@@ -79,17 +79,19 @@ def test_report_lists_each_framework_version_once(quick_report):
     assert len(listed) == len(set(listed)) and set(frameworks) <= set(listed), line
 
 
+@pytest.mark.parametrize("policy", ["float32", "bf16-mixed"])
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
-def test_a_case_in_a_shared_process_trains_as_in_a_fresh_one(quick_report, framework):
-    """charlm float32 ran after mlp's bf16 and fp16 cases in the quick run's process: no policy leaks."""
+def test_a_case_in_a_shared_process_trains_as_in_a_fresh_one(quick_report, framework, policy):
+    """charlm ran after mlp's cases in the quick run's process, its steps interleaved with the other
+    policies' in rounds: no policy leaks into another."""
     out, frameworks = quick_report
     if framework not in frameworks:
         pytest.skip(f"{framework} is not installed")
     cases = json.loads((out / "report.json").read_text())["cases"]
-    key = (framework, "charlm", "float32")
+    key = (framework, "charlm", policy)
     shared = next(c for c in cases if (c["framework"], c["workload"], c["policy"]) == key)
-    assert shared["process_case"] > 0
-    (fresh,) = runner.run([(framework, "charlm", "float32")], quick=True, reuse=False, budget=120.0)
+    assert shared["process_case"] > 0 and len(shared["group_policies"]) == 3
+    (fresh,) = runner.run([(framework, "charlm", policy)], quick=True, reuse=False, budget=120.0)
     assert fresh["process_case"] == 0 and not fresh["capped"]
     n = len(shared["losses"])  # on a busy machine the shared one may have been capped after its warm-up
     assert fresh["losses"][:n] == pytest.approx(shared["losses"], rel=1e-6)
@@ -98,16 +100,24 @@ def test_a_case_in_a_shared_process_trains_as_in_a_fresh_one(quick_report, frame
 
 
 def test_speedups_are_recomputable_from_step_times(quick_report):
+    """A speed-up is the median over the rounds both ran of float32's step time / the case's (a
+    case that spent its budget on its warm-up: float32's median / that one step)."""
     import statistics
 
     out, _ = quick_report
     report = json.loads((out / "report.json").read_text())
     cases = {(c["framework"], c["workload"], c["policy"]): c for c in report["cases"]}
-    for row in (r for r in report["rows"] if r["status"] == "ok"):
-        base = cases[(row["framework"], row["workload"], "float32")]
-        case = cases[(row["framework"], row["workload"], row["policy"])]
-        expected = statistics.median(base["step_times"]) / statistics.median(case["step_times"])
+    for row in (r for r in report["rows"] if r["status"] == "ok" and r["policy"] != "float32"):
+        base = cases[(row["framework"], row["workload"], "float32")]["step_times"]
+        case = cases[(row["framework"], row["workload"], row["policy"])]["step_times"]
+        if row["speedup_rounds"]:
+            assert row["speedup_rounds"] == min(len(base), len(case))
+            expected = statistics.median(b / c for b, c in zip(base, case))
+        else:
+            expected = statistics.median(base) / case[0]
         assert row["speedup"] == pytest.approx(expected, rel=1e-9)
+        across = row["framework"] == "mxnet"  # one process per policy, stepped in turn
+        assert row["pairing"] == ("rounds across processes" if across else "rounds in one process")
     assert (out / "report.md").read_text().count("|") > 20
     for name in ("speedup.png", "loss_curves.png", "loss_scale.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -139,7 +149,9 @@ def test_a_crash_and_a_timeout_are_reported_and_the_run_finishes(tmp_path, monke
 
 
 def test_a_process_that_dies_costs_only_the_case_it_was_on(tmp_path, monkeypatch):
-    """Cases sharing a process: after a crash the runner starts a new process for the cases left."""
+    """Cases sharing processes (MXNet: one per policy, stepped in lock-step): after a crash the runner
+    starts a new process for the pair groups left; each case starts (with its pair group) before it
+    ends, and the records come back in the order of the cases."""
     monkeypatch.setenv("POLYAMP_MXNET_PYTHON", _broken_python(tmp_path))
     cases = [("mxnet", "mlp", "float32"), ("mxnet", "digits", "float32"), ("mxnet", "mlp", "bf16-mixed")]
     seen = []
@@ -150,7 +162,9 @@ def test_a_process_that_dies_costs_only_the_case_it_was_on(tmp_path, monkeypatch
     records = runner.run(cases, quick=True, jobs=1, progress=progress)
     assert [(r["framework"], r["workload"], r["policy"]) for r in records] == cases
     assert all(r["status"] == "failed" and "simulated interpreter crash" in r["error"] for r in records)
-    assert seen == [(i, case, start) for i, case in enumerate(cases) for start in (True, False)]
+    mlp, digits = [(0, cases[0], True), (0, cases[2], True)], [(2, cases[1], True)]  # the pair groups
+    assert seen == mlp + [(0, cases[0], False), (1, cases[2], False)] + digits + [(2, cases[1], False)]
+    assert len({r["worker_pid"] for r in records}) == 3  # the crashed processes were not reused
 
 
 def _args(**given):

@@ -4,7 +4,8 @@ The networks are pure functions of a params dict holding the numpy weights of ``
 (dense ``W[in, out]``, ``b[out]``). One jitted step does
 ``mp.value_and_grad(mp.autocast(loss))`` and an optax Adam update run only if the gradients are
 finite (a ``lax.cond`` on the device, no host round trip); every policy, float32 included, runs
-this same code.
+this same code. ``infer`` runs the autocast network on the weights cast once to the compute dtype
+(jmp's idiom); memory: the residuals of ``jax.vjp`` and the compiled step's ``memory_analysis()``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..jax import step_if_finite
+from ..jax import cast_tree, step_if_finite
 from ..mixed_precision import MixedPrecision
 from ..step import StepResult
+from .protocol import Saved, TrainerBase
 from .workloads import Workload
 
 
@@ -66,10 +68,13 @@ def charlm(wl: Workload, p: dict, ids, mm=jnp.matmul):
     return dense(p, "head", layer_norm(p, "lnf", x), mm)
 
 
+_NETWORKS = {"dense": mlp, "transformer": charlm}
+
+
 def forward(wl: Workload, p: dict, x, mm=jnp.matmul):
     """The workload's network; ``mm`` is the matrix product (a hand-written mixed-precision one
     in ``benchmarks/jax_autocast.py``)."""
-    return charlm(wl, p, x, mm) if wl.name == "charlm" else mlp(wl, p, x, mm)
+    return _NETWORKS[wl.architecture](wl, p, x, mm)
 
 
 def cross_entropy(logits, labels):
@@ -77,23 +82,32 @@ def cross_entropy(logits, labels):
     return -jnp.take_along_axis(logp, labels[..., None], axis=-1).mean()
 
 
+def mean_squared_error(out, y):
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+
+
+_LOSSES = {"mse": mean_squared_error, "cross_entropy": cross_entropy}
+
+
 def loss_fn(wl: Workload, p: dict, x, y, mm=jnp.matmul):
-    out = forward(wl, p, x, mm)
-    if wl.name == "mlp":
-        return jnp.mean((out.astype(jnp.float32) - y) ** 2)
-    return cross_entropy(out, y)
+    return _LOSSES[wl.loss_kind](forward(wl, p, x, mm), y)
+
+
+def _array(a: np.ndarray):
+    """A numpy array as a JAX array; integers (token ids, class labels) as int32."""
+    return jnp.asarray(a, jnp.int32) if np.issubdtype(a.dtype, np.integer) else jnp.asarray(a)
 
 
 def inputs(wl: Workload, x, y):
     """A numpy batch as JAX arrays (token ids and labels as int32)."""
-    if wl.name == "mlp":
-        return jnp.asarray(x), jnp.asarray(y)
-    if wl.name == "charlm":
-        return jnp.asarray(x, jnp.int32), jnp.asarray(y, jnp.int32)
-    return jnp.asarray(x), jnp.asarray(y, jnp.int32)
+    return _array(x), _array(y)
 
 
-class Trainer:
+def _entry(a) -> tuple[int, str]:
+    return a.size * a.dtype.itemsize, str(a.dtype)
+
+
+class Trainer(TrainerBase):
     """One (workload, policy) training run: ``step(i)`` returns the train loss of step ``i``."""
 
     def __init__(self, wl: Workload, policy: str):
@@ -103,8 +117,8 @@ class Trainer:
         self.opt = optax.adam(wl.lr)
         self.opt_state = self.opt.init(self.params)
         self.state = self.mp.init()
-        loss = self.mp.autocast(functools.partial(loss_fn, wl))
-        value_and_grad = self.mp.value_and_grad(loss)
+        self._loss = self.mp.autocast(functools.partial(loss_fn, wl))
+        value_and_grad = self.mp.value_and_grad(self._loss)
         opt = self.opt
 
         def train_step(params, opt_state, state, x, y):
@@ -116,8 +130,9 @@ class Trainer:
         # params, optimizer and scale state are donated (updated in place), as in a training loop
         example = (self.params, self.opt_state, self.state, *inputs(wl, *wl.batch_at(0)))
         self._step = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(*example).compile()
-        self._loss = jax.jit(loss)
         self._forward = jax.jit(self.mp.autocast(functools.partial(forward, wl)))
+        self._low = self.mp.policy.compute_dtype if self.mp.policy.compute_dtype != "float32" else None
+        self._cast = (None, None)  # (params the cast was made from, their cast to the compute dtype)
 
     def step(self, i: int) -> float:
         x, y = inputs(self.wl, *self.wl.batch_at(i))
@@ -128,13 +143,59 @@ class Trainer:
         self.last = StepResult(bool(finite), self.mp.current_scale)
         return float(loss)
 
-    def evaluate(self) -> float:
-        batches = [inputs(self.wl, x, y) for x, y in self.wl.eval_batches_()]
-        if self.wl.name == "digits":
-            ((x, y),) = batches
-            pred = np.asarray(self._forward(self.params, x)).argmax(-1)
-            return float(np.mean(pred == np.asarray(y)))
-        return float(np.mean([float(self._loss(self.params, x, y)) for x, y in batches]))
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(self._forward(self.params, _array(x)), np.float32)
+
+    def _inference_params(self) -> dict:
+        """The parameters cast once to the compute dtype (jmp's idiom), recast after each step."""
+        if self._low is None:
+            return self.params
+        if self._cast[0] is not self.params:
+            self._cast = (self.params, jax.block_until_ready(cast_tree(self.params, self._low)))
+        return self._cast[1]
+
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        """The autocast network on weights stored in the compute dtype (float32 policy: as trained)."""
+        return np.asarray(self._forward(self._inference_params(), _array(x)), np.float32)
+
+    # -- memory probes ---------------------------------------------------------------------------
+    def _parameters(self):
+        return [_entry(a) for a in jax.tree.leaves(self.params)]
+
+    def _gradients(self):
+        x, y = inputs(self.wl, *self.wl.batch_at(0))
+        return [_entry(a) for a in jax.tree.leaves(jax.eval_shape(jax.grad(self._loss), self.params, x, y))]
+
+    def _optimizer_bytes(self):
+        return sum(_entry(a)[0] for a in jax.tree.leaves(self.opt_state))
+
+    def _inference_weights(self):
+        return [_entry(a) for a in jax.tree.leaves(self._inference_params())]
+
+    def _workspace(self):
+        stats = self._step.memory_analysis()
+        return stats.temp_size_in_bytes, (
+            "temp_size_in_bytes of the compiled train step's memory_analysis(): XLA's buffers for "
+            "gradients, residuals and scratch after its buffer reuse"
+        )
+
+    def _saved(self) -> Saved:
+        """The residuals of ``jax.vjp`` of the autocast loss on batch 0, each array counted once;
+        a residual equal to a parameter is that parameter, one equal to its cast a weight copy."""
+        x, y = inputs(self.wl, *self.wl.batch_at(0))
+        _, vjp = jax.vjp(lambda p: self._loss(p, x, y), self.params)
+        by_shape: dict[tuple, list] = {}
+        for a in jax.tree.leaves(self.params):
+            by_shape.setdefault(a.shape, []).append(a)
+        activations = copies = 0
+        for r in {id(r): r for r in jax.tree.leaves(vjp)}.values():
+            same = [p for p in by_shape.get(r.shape, []) if p is r or bool(jnp.all(p.astype(r.dtype) == r))]
+            if not same:
+                activations += r.nbytes
+            elif r.dtype != same[0].dtype:
+                copies += r.nbytes
+        how = "residuals of jax.vjp of the autocast loss (eager), parameters excluded, their casts counted"
+        return Saved(activations, copies, how + " as weight copies")
 
 
 def versions() -> dict[str, str]:

@@ -5,17 +5,20 @@ Each network is built from the numpy weights of ``workloads.py`` (a ``Dense`` we
 ``[out, in]``, so ``W[in, out]`` is stored transposed) and hybridized. The policy is MXNet's own
 AMP (``contrib.amp``, process-wide: one case per process suits it); ``MixedPrecision`` calls
 ``amp.init`` before the network is built. fp16-mixed on CPU is reported as unsupported: MXNet's
-float16 FullyConnected exists only with cuDNN.
+float16 FullyConnected exists only with cuDNN. What backward keeps is read from the gradient graph
+MXNet builds for the hybridized network (an executor's ``debug_str()``, its only view of it).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import numpy as np
 
 from ..mixed_precision import MixedPrecision
+from .protocol import Saved, TrainerBase
 from .workloads import Workload
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
@@ -41,7 +44,10 @@ def _weight_layers(block: gluon.Block, prefix: str = "") -> dict:
 
 
 def _load(net: gluon.Block, weights: dict) -> None:
-    """Copy the workload's arrays into the initialized network."""
+    """Copy the workload's arrays into the initialized network: its layers' and its own (CharLM's
+    ``embed`` and ``pos``)."""
+    for name, param in net._reg_params.items():
+        param.set_data(mx.nd.array(weights[name]))
     for name, layer in _weight_layers(net).items():
         if isinstance(layer, gluon.nn.Dense):
             layer.weight.set_data(mx.nd.array(weights[name + ".w"].T))
@@ -124,33 +130,111 @@ class CharLM(gluon.HybridBlock):
         return self._children["head"](self._children["lnf"](x))
 
 
-class Trainer:
+_NETWORKS = {"dense": MLP, "transformer": CharLM}
+_BLOCK = "-" * 20  # separates the nodes in an executor's debug_str()
+_CASTS = ("amp_cast", "amp_multicast")
+
+
+def _graph_nodes(debug: str) -> dict[str, tuple[str, list[tuple[str, int]]]]:
+    """An executor's ``debug_str()`` as {node: (op, [(input node, output index)])}; a variable's
+    op is ``"Variable"``. This text is the only view MXNet gives of the gradient graph it builds."""
+    nodes: dict[str, tuple[str, list[tuple[str, int]]]] = {}
+    for chunk in debug.split(_BLOCK):
+        for var in re.findall(r"^Variable:(\S+)", chunk, re.M):
+            nodes[var] = ("Variable", [])
+        head = re.search(r"^Op:([^,]+), Name=(\S+)", chunk, re.M)
+        if head:
+            args = re.findall(r"^\targ\[\d+\]=(\S+)\((\d+)\)", chunk, re.M)
+            nodes[head.group(2)] = (head.group(1), [(n, int(k)) for n, k in args])
+    return nodes
+
+
+def _saved_in_graph(symbol, shapes: dict, params: set[str]) -> tuple[int, int, int]:
+    """(activation bytes, weight-copy bytes, entries of unknown size) that the backward nodes of
+    ``symbol``'s gradient graph read from its forward nodes. A cast to the dtype it already has
+    is followed to its input (it shares the memory); a cast of a parameter to another dtype is a
+    weight copy. Hidden outputs (LayerNorm's mean and std) have no shape MXNet reports."""
+    exe = symbol.simple_bind(mx.cpu(), grad_req="write", **shapes)
+    nodes = _graph_nodes(exe.debug_str())
+    internals = symbol.get_internals()
+    names = internals.list_outputs()
+    _, out_shapes, _ = internals.infer_shape(**shapes)
+    _, out_types, _ = internals.infer_type(**{k: np.float32 for k in shapes})
+    entries = {name: (shape, np.dtype(dtype)) for name, shape, dtype in zip(names, out_shapes, out_types)}
+
+    def info(node: str, k: int):
+        for name in (node, f"{node}_output", f"{node}_output{k}"):
+            if name in entries and (name != f"{node}_output" or k == 0):
+                return entries[name]
+        return None
+
+    def source(node: str, k: int) -> tuple[str, int]:
+        op, args = nodes[node]
+        while op in _CASTS and info(node, k)[1] == info(*args[k if op == "amp_multicast" else 0])[1]:  # type: ignore[index]
+            node, k = args[k if op == "amp_multicast" else 0]
+            op, args = nodes[node]
+        return node, k
+
+    forward = {re.sub(r"_output\d*$", "", name) for name in names} | set(shapes)
+    backward = set(nodes) - forward  # the gradient nodes, and the head gradient they start from
+    saved = {source(n, k) for name in backward for n, k in nodes[name][1] if n in forward}
+    activations = copies = unsized = 0
+    for node, k in saved:
+        op, args = nodes[node]
+        if node in params:
+            continue
+        if info(node, k) is None:
+            unsized += 1
+            continue
+        shape, dtype = info(node, k)
+        size = int(np.prod(shape)) * dtype.itemsize
+        if op == "amp_cast" and args[0][0] in params:
+            copies += size
+        else:
+            activations += size
+    return activations, copies, unsized
+
+
+def _arrays(tree) -> list:
+    """Every NDArray in a nest of tuples and lists (an optimizer's state)."""
+    if isinstance(tree, mx.nd.NDArray):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [a for t in tree for a in _arrays(t)]
+    return []
+
+
+def _entry(a) -> tuple[int, str]:
+    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize, np.dtype(a.dtype).name
+
+
+class Trainer(TrainerBase):
     """One (workload, policy) training run: ``step(i)`` returns the train loss of step ``i``."""
 
     def __init__(self, wl: Workload, policy: str):
         mx.random.seed(wl.seed)
         self.wl = wl
         self.mp = MixedPrecision(policy, framework="mxnet", device="cpu")  # amp.init: before the net
-        self.model = CharLM(wl) if wl.name == "charlm" else MLP(wl)
+        self.model = _NETWORKS[wl.architecture](wl)
         self.model.initialize()
         _load(self.model, wl.weights)
-        if wl.name == "charlm":
-            self.model.embed.set_data(mx.nd.array(wl.weights["embed"]))
-            self.model.pos.set_data(mx.nd.array(wl.weights["pos"]))
         self.model.hybridize(static_alloc=True, static_shape=True)
         self.mp.watch(self.model)
         params = self.model.collect_params()
         self.trainer = self.mp.trainer(gluon.Trainer(params, "adam", {"learning_rate": wl.lr}))
         self._ce = gluon.loss.SoftmaxCrossEntropyLoss(axis=-1)
 
+    def _inputs(self, x: np.ndarray) -> list:
+        """The network's inputs: ids as float32 (Embedding takes float indices), plus the
+        transformer's causal mask."""
+        return [mx.nd.array(x, dtype="float32")] + ([self.model.mask] if hasattr(self.model, "mask") else [])
+
+    def _outputs(self, x: np.ndarray):
+        return mx.nd.amp_cast(self.model(*self._inputs(x)), dtype="float32")
+
     def _loss(self, x, y):
-        if self.wl.name == "charlm":
-            x = mx.nd.array(x, dtype="float32")  # Embedding takes float indices
-            out = self.model(x, self.model.mask)
-        else:
-            out = self.model(mx.nd.array(x))
-        out = mx.nd.amp_cast(out, dtype="float32")
-        if self.wl.name == "mlp":
+        out = self._outputs(x)
+        if self.wl.loss_kind == "mse":
             return mx.nd.mean(mx.nd.square(out - mx.nd.array(y)))
         return mx.nd.mean(self._ce(out, mx.nd.array(y, dtype="float32")))
 
@@ -163,13 +247,34 @@ class Trainer:
         self.last = self.mp.step(self.trainer, batch_size=1)  # the loss is already a mean
         return float(loss.asscalar())
 
-    def evaluate(self) -> float:
-        batches = self.wl.eval_batches_()
-        if self.wl.name == "digits":
-            ((x, y),) = batches
-            out = mx.nd.amp_cast(self.model(mx.nd.array(x)), dtype="float32")
-            return float(np.mean(out.asnumpy().argmax(-1) == y))
-        return float(np.mean([float(self._loss(x, y).asscalar()) for x, y in batches]))
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """The hybridized network under the process's AMP (also ``infer``: AMP is MXNet's inference form)."""
+        return self._outputs(x).asnumpy()
+
+    # -- memory probes ---------------------------------------------------------------------------
+    def _parameters(self):
+        return [_entry(p.data()) for p in self.model.collect_params().values()]
+
+    def _gradients(self):
+        return [_entry(p.grad()) for p in self.model.collect_params().values()]
+
+    def _optimizer_bytes(self):
+        states = [a for u in self.trainer._updaters for s in u.states.values() for a in _arrays(s)]
+        return sum(_entry(a)[0] for a in states) if states else None
+
+    def _saved(self) -> Saved:
+        if not getattr(self.model, "_cached_graph", None):
+            self.forward(self.wl.batch_at(0)[0])  # hybridize traces the graph at the first call
+        inputs, symbol = self.model._cached_graph
+        arrays = self._inputs(self.wl.batch_at(0)[0])
+        shapes = {s.name: a.shape for s, a in zip(inputs, arrays)}
+        activations, copies, unsized = _saved_in_graph(symbol, shapes, set(self.model.collect_params()))
+        how = ("forward entries the backward nodes of MXNet's gradient graph read (executor debug_str() of "
+               "the hybridized network; the imperative loss outside it not counted), parameters excluded, "
+               "their amp_cast copies counted as weight copies")  # fmt: skip
+        if unsized:
+            how += f"; {unsized} hidden outputs (LayerNorm's mean and std) have no shape: not counted"
+        return Saved(activations, copies, how)
 
 
 def versions() -> dict[str, str]:

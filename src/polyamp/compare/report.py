@@ -47,6 +47,12 @@ ROW_KEYS = (
     "is_baseline",
     "baseline",
     "speedup",
+    "speedup_ci95",
+    "speedup_rounds",
+    "pairing",
+    "roofline_share",
+    "roofline_peaks",
+    "loadavg_1min",
     "loss_delta",
     "loss_compared_at_step",
     "eval_delta",
@@ -118,7 +124,10 @@ def summarize(
     """One row per case (same order): its scalar fields plus the comparisons with its float32 baseline.
 
     The baseline is the successful float32 case of the same framework, workload and seed.
-    ``speedup`` = baseline median step time / case median step time. ``loss_delta`` = case train loss -
+    ``speedup``: the worker's paired ratio (``paired``: the median over the rounds both ran of
+    baseline step time / case step time, with ``speedup_ci95`` and ``speedup_rounds``; ``pairing``
+    says how the policies shared the machine); for a record without one, baseline median step time /
+    case median step time, ``pairing`` "unpaired". ``loss_delta`` = case train loss -
     baseline train loss at the last step both ran (so a capped run is compared where it stopped).
     ``eval_delta`` = case eval value - baseline eval value, only if both were evaluated after the same
     number of steps. ``parity`` is "ok"/"worse"/"n/a": judged on the eval metric when ``eval_delta`` exists,
@@ -164,6 +173,12 @@ def summarize(
             "is_baseline": is_baseline,
             "baseline": None,
             "speedup": None,
+            "speedup_ci95": None,
+            "speedup_rounds": None,
+            "pairing": None,
+            "roofline_share": case.get("roofline"),
+            "roofline_peaks": case.get("roofline_peaks"),
+            "loadavg_1min": case.get("loadavg_1min"),
             "loss_delta": None,
             "loss_compared_at_step": None,
             "eval_delta": None,
@@ -189,8 +204,13 @@ def summarize(
             notes.append("is the float32 baseline")
         # speed-up
         case_med, base_med = row["median_step_s"], _median_step(base)
-        if case_med and base_med:
+        paired = case.get("paired")
+        if paired and not is_baseline:
+            row["speedup"], row["speedup_ci95"] = paired["speedup"], paired.get("ci95")
+            row["speedup_rounds"], row["pairing"] = paired.get("rounds"), paired.get("pairing")
+        elif case_med and base_med:
             row["speedup"] = base_med / case_med
+            row["pairing"] = None if is_baseline else UNPAIRED
         # train loss at the same step
         base_losses = list(base.get("losses") or [])
         n = min(len(losses), len(base_losses))
@@ -228,6 +248,7 @@ def summarize(
 
 # --------------------------------------------------------------------------------------------- formatting
 
+UNPAIRED = "unpaired: ratio of medians taken at different times"
 SMOKE_NOTE = (
     "Smoke check (--quick): tiny models and a few steps, each framework's cases sharing one process. "
     "Its timings, speed-ups and memory only show that every case runs; they are not findings. "
@@ -239,11 +260,13 @@ def _num(v: float) -> str:
     return f"{v:.2f}" if abs(v) >= 0.1 else f"{v:.2g}"
 
 
-def _is_slower(v: float | None) -> bool:
-    return v is not None and v < 1 and _num(v) != "1.00"
+def _is_slower(v: float | None, ci=None) -> bool:
+    """Below 1x as printed, and, for a paired ratio, its whole 95 % interval too."""
+    return v is not None and v < 1 and _num(v) != "1.00" and (not ci or ci[1] < 1)
 
 
 def _fmt_speedup(row: dict, smoke: bool = False) -> str:
+    """``1.71x [1.62-1.80] n=9``: the paired ratio, its 95 % interval and its rounds."""
     v = row.get("speedup")
     if row.get("is_baseline") and v is not None:
         return "baseline"
@@ -251,7 +274,14 @@ def _fmt_speedup(row: dict, smoke: bool = False) -> str:
         if row.get("status") == "ok" and row.get("baseline") is None:
             return "no fp32 baseline"
         return "n/a"
-    return f"{_num(v)}x (slower)" if _is_slower(v) and not smoke else f"{_num(v)}x"
+    slower = _is_slower(v, row.get("speedup_ci95")) and not smoke
+    text = f"{_num(v)}x (slower)" if slower else f"{_num(v)}x"
+    ci, rounds = row.get("speedup_ci95"), row.get("speedup_rounds")
+    if ci:
+        text += f" [{_num(ci[0])}-{_num(ci[1])}]"
+    if rounds is not None:
+        text += f" n={rounds}" + (" (warm-up)" if rounds == 0 else "")
+    return text
 
 
 def _fmt_steps(row: dict) -> str:
@@ -369,7 +399,7 @@ def _flagged(row: dict, smoke: bool = False) -> dict:
     flags = {}
     if row.get("capped"):
         flags["steps"] = "bold yellow"
-    if _is_slower(row.get("speedup")) and not smoke:
+    if _is_slower(row.get("speedup"), row.get("speedup_ci95")) and not smoke:
         flags[SPEEDUP] = "bold red"
     if row.get("parity") == "worse":
         flags["parity"] = "bold red"
@@ -401,9 +431,10 @@ def _caption(rows: list[dict]) -> str:
     lt = rows[0].get("loss_tolerance", LOSS_TOLERANCE) if rows else LOSS_TOLERANCE
     at = rows[0].get("accuracy_tolerance", ACCURACY_TOLERANCE) if rows else ACCURACY_TOLERANCE
     return (
-        "Every comparison is against float32 of the same framework, workload and seed: speed-up = fp32 "
-        "median step time / case median step time; Δloss = case train loss - fp32 train loss at the "
-        "last step both ran; Δeval only when both were evaluated after the same number of steps. "
+        "Every comparison is against float32 of the same framework, workload and seed: speed-up = median "
+        "over the rounds both ran (the policies stepping in alternation) of fp32 step time / case step "
+        "time, with its bootstrap 95% interval and n = rounds; Δloss = case train loss - fp32 train loss "
+        "at the last step both ran; Δeval only when both were evaluated after the same number of steps. "
         f"Parity: a loss may be at most {lt:.0%} above fp32 (relative), an accuracy at most {at:g} "
         "below it (absolute)."
     )
@@ -617,7 +648,7 @@ def _markdown(rows: list[dict], settings: dict, plots: list[Path], smoke: bool =
                 f"{row.get('cap_reason') or 'no reason recorded'}"
             )
     for row in ordered:
-        if _is_slower(row.get("speedup")) and not smoke:
+        if _is_slower(row.get("speedup"), row.get("speedup_ci95")) and not smoke:
             out.append(f"- **slower than float32**: {_label(row)} at {_fmt_speedup(row)} of float32's speed")
     for row in ordered:
         if row.get("parity") == "worse":
@@ -637,11 +668,15 @@ def _markdown(rows: list[dict], settings: dict, plots: list[Path], smoke: bool =
             out += [f"- **{row.get('status')}**: {_label(row)}:", "", "  ```text"]
             out += ["  " + line for line in err.splitlines() or [""]]
             out += ["  ```", ""]
+    out += _pairing_notes(ordered, ((settings or {}).get("machine") or {}).get("cores"))
     for row in ordered:
         for note in row.get("notes") or []:
             if note != "is the float32 baseline":
                 out.append(f"- {_label(row)}: {note}")
-    out += ["", "## Plots", ""]
+    from .roofline import markdown as roofline_section
+
+    out += [""] + roofline_section(ordered)
+    out += ["## Plots", ""]
     titles = {
         "speedup.png": "Speed-up over float32",
         "loss_curves.png": "Train loss",
@@ -650,6 +685,35 @@ def _markdown(rows: list[dict], settings: dict, plots: list[Path], smoke: bool =
     for p in plots:
         out += [f"### {titles.get(p.name, p.stem)}", "", f"![{titles.get(p.name, p.stem)}]({p.name})", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _pairing_notes(rows: list[dict], cores: int | None = None) -> list[str]:
+    """Which rows were not paired in one process, which rest on fewer than 5 rounds, and which were
+    timed while the machine's load average exceeded its ``cores``."""
+    from .timing import LOCKSTEP
+
+    out = []
+    across = ("MXNet's AMP is process-wide, so each policy ran in its own process; the processes stepped "
+              "in alternation, so the rounds still interleave in time, but what differs between two "
+              "processes (memory placement, kernel choice) is not paired away")
+    for kind, why in ((LOCKSTEP, across), (UNPAIRED, "no per-round pairing was recorded")):
+        labels = [_label(r) for r in rows if r.get("pairing") == kind]
+        if labels:
+            out.append(f"- **{kind}**: {', '.join(labels)}: {why}")
+    for r in rows:
+        pairing, rounds = r.get("pairing") or "", r.get("speedup_rounds")
+        if pairing.startswith("unpaired") and pairing != UNPAIRED:
+            out.append(f"- **{pairing}**: {_label(r)}: it spent its budget on its warm-up step, which is its "
+                       "only time (over float32's median)")  # fmt: skip
+        elif rounds is not None and 0 < rounds < 5:
+            out.append(f"- **few rounds**: {_label(r)}: its speed-up rests on {rounds} round(s)")
+    busy = [r for r in rows if cores and max(r.get("loadavg_1min") or [0]) > cores]
+    if busy:
+        peak = max(max(r["loadavg_1min"]) for r in busy)
+        out.append(f"- **busy machine**: {', '.join(_label(r) for r in busy)}: timed while the 1-minute "
+                   f"load average (up to {peak:.1f}) exceeded the {cores} cores: other programs competed "
+                   "for them")  # fmt: skip
+    return out
 
 
 # --------------------------------------------------------------------------------------------- plots
@@ -749,15 +813,17 @@ def _speedup_figure(rows: list[dict], smoke: bool = False):
         fig = _new_figure(widths[0] + 1.2, 4.0 * len(per_wl) + 1.0)
         axes = fig.subplots(len(per_wl), 1, sharey=True, squeeze=False)[:, 0]
         labelled = axes
-    any_capped = False
+    any_capped = any_rotated = False
     for ax, panel_w, (wl, (fws, pols)) in zip(axes, widths, per_wl.items()):
         ax.set_yscale("log")
         ax.set_ylim(lo, hi)
         ax.axhline(1.0, color="black", lw=1.2, zorder=1)
         width = 0.8 / max(1, len(pols))
         bar_inches = panel_w * 0.85 * width / (len(fws) + 0.2)
-        labels = [f"{_num(r['speedup'])}x" for r in rows if r["workload"] == wl and _finite(r.get("speedup"))]
-        rotate = bar_inches < 0.075 * max(map(len, labels), default=0)  # about 0.075 in per character at 9 pt
+        labels = [_bar_label(r) for r in rows if r["workload"] == wl and _finite(r.get("speedup"))]
+        widest = max((len(line) for label in labels for line in label.splitlines()), default=0)
+        rotate = bar_inches < 0.075 * widest  # about 0.075 in per character at 9 pt
+        any_rotated |= rotate
         for i, fw in enumerate(fws):
             for j, pol in enumerate(pols):
                 match = [r for r in rows if (r["workload"], r["framework"], r["policy"]) == (wl, fw, pol)]
@@ -772,9 +838,13 @@ def _speedup_figure(rows: list[dict], smoke: bool = False):
                     ax.bar(x, v - 1.0, bottom=1.0, width=width * 0.9, color=colors[pol], hatch=hatch,
                            edgecolor="white" if hatch else colors[pol], zorder=2)  # fmt: skip
                     up = v >= 1
+                    ci = r.get("speedup_ci95")
+                    if ci:  # the 95 % interval of the paired ratio
+                        ax.errorbar(x, v, yerr=[[max(v - ci[0], 0)], [max(ci[1] - v, 0)]], fmt="none",
+                                    ecolor="black", elinewidth=1, capsize=3, zorder=3)  # fmt: skip
                     ax.annotate(
-                        f"{_num(v)}x",
-                        (x, v),
+                        _bar_label(r).replace("\n", " ") if rotate else _bar_label(r),
+                        (x, (ci[1] if up else ci[0]) if ci else v),
                         xytext=(0, 3 if up else -3),
                         textcoords="offset points",
                         ha="center",
@@ -801,6 +871,8 @@ def _speedup_figure(rows: list[dict], smoke: bool = False):
         ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: "float32 = 1x" if y == 1 else f"{y:g}x"))
         ax.yaxis.set_minor_formatter(NullFormatter())
+    if any_rotated:  # room for labels written along the bars (the axes share their y limits)
+        axes[0].set_ylim(lo / 4, hi * 4)
     for ax in labelled:
         ax.set_ylabel("speed-up over float32 of the same framework\n(log scale)")
     handles = [Patch(color=colors[p], label=p) for p in policies]
@@ -811,10 +883,16 @@ def _speedup_figure(rows: list[dict], smoke: bool = False):
     if smoke:
         fig.suptitle("Speed-up over float32: a smoke check (--quick), not a measurement")
     else:
-        fig.suptitle("Speed-up over float32 (median step time; above the line = faster, below = slower)")
+        fig.suptitle("Speed-up over float32: median of the paired per-round ratios\n(bar: 95% interval, "
+                     "n = rounds; above the line = faster)")  # fmt: skip
     height = fig.get_figheight()
-    fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - 0.25 / height))  # room for the legend and the title
+    fig.tight_layout(rect=(0, 0.5 / height, 1, 1 - 0.5 / height))  # room for the legend and the title
     return fig
+
+
+def _bar_label(row: dict) -> str:
+    rounds = row.get("speedup_rounds")
+    return f"{_num(row['speedup'])}x" + (f"\nn={rounds}" if rounds is not None else "")
 
 
 def _loss_figure(rows: list[dict], cases: list[dict]):
@@ -988,7 +1066,9 @@ def write_report(
         },
         "timings": {"kind": "smoke check", "note": SMOKE_NOTE} if smoke else {
             "kind": "measurement",
-            "note": "median step time after one warm-up step, each case in its own process",
+            "note": "paired: after one warm-up step each, the policies of a (framework, workload) step in "
+            "interleaved rounds; a speed-up is the median of per-round ratios over float32, with a "
+            "bootstrap 95% interval and its number of rounds",
         },
     }
     json_path = out / "report.json"

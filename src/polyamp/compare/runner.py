@@ -1,10 +1,13 @@
 """Plans the (framework, workload, policy) cases and runs them in worker subprocesses.
 
-A fresh process per case, one at a time, keeps peak memory, thread pools and timings clean; a smoke
-run (``quick``) instead shares one process per framework, so it pays each framework's import once,
-and runs one such process per core side by side. A case that crashes or runs past ``timeout`` is
-recorded with its error text and the run goes on. float32 runs first for each (framework,
-workload): it is the baseline every other policy is compared with.
+The policies of one (framework, workload) are timed together, in interleaved rounds, so that each
+speed-up is paired (``worker.py``, ``timing.py``): one fresh process per (framework, workload), one
+at a time, or for MXNet, whose AMP is process-wide, one process per policy stepped in lock-step
+(``lockstep.py``). A smoke run (``quick``) instead shares one process per framework (per policy for
+MXNet), so it pays each framework's import once, and runs such jobs one per core side by side. A
+case that crashes or runs past ``timeout`` is recorded with its error text and the run goes on.
+float32 runs first for each (framework, workload): it is the baseline every other policy is
+compared with.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from numbers import Real
 from pathlib import Path
 
 from ..errors import PolyampError
-from .workloads import WORKLOADS, check_steps
+from .lockstep import run_lockstep
+from .worker import BASELINE, pair_groups
+from .workloads import WORKLOADS, check_steps, get_workload
 
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
 DEFAULT_POLICIES = ("float32", "bf16-mixed", "fp16-mixed")
@@ -122,14 +128,17 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
         reuse: bool | None = None, jobs: int | None = None) -> list[dict]:  # fmt: skip
     """Run every case; returns their records in the order of ``cases``.
 
-    ``reuse`` (default: ``quick``) runs all the cases of a framework in one worker process, so a
-    smoke run pays each framework's import once; MXNet gets one process per policy, as its AMP is
-    process-wide. Otherwise every case has a fresh process. ``jobs`` worker processes run at once
-    (default: one per core for a smoke run, whose timings are no measurement; else 1, so that no
-    case's timing shares the machine with another). A process that crashes or runs past
-    ``timeout`` on a case costs that case only: the cases after it get a new process.
-    ``progress(i, case, record)`` is called with ``record=None`` when a case starts and with its
-    record when it ends; ``i`` counts the cases finished before.
+    The cases of one (framework, workload) are a pair group (``worker.py``): their policies step in
+    interleaved rounds in one process, MXNet's in one process per policy stepped in lock-step
+    (``lockstep.py``), as its AMP is process-wide. ``reuse`` (default: ``quick``) runs all the
+    groups of a framework in one worker process (MXNet: one per policy), so a smoke run pays each
+    framework's import once; otherwise every group has fresh processes. ``jobs`` worker processes
+    run at once (default: one per core for a smoke run, whose timings are no measurement; else 1, so
+    that no group's timing shares the machine with another). The first process of each framework
+    first measures its matmul roofline, and every record gets its share of it (``roofline``).
+    A process that crashes or runs past ``timeout`` per case costs the group it was on: the groups
+    after it get a new process. ``progress(i, case, record)`` is called with ``record=None`` as a
+    case's group starts and with its record when it ends; ``i`` counts the cases finished before.
     """
     check_options(steps, budget, timeout)
     cases = [tuple(case) for case in cases]
@@ -144,6 +153,7 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise PolyampError(f"jobs must be a whole number >= 1; got {jobs!r}")
     records: list = [None] * len(cases)
+    rooflines: dict = {}
     finished = 0
     lock = threading.Lock()
 
@@ -156,45 +166,94 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
                 progress(finished, cases[index], record)
             finished += record is not None
 
-    def run_group(group: list[int]) -> None:
-        while group:
-            done = _run_in_process([cases[i] for i in group], quick, steps, budget, timeout,
-                                   lambda k, record, group=group: notify(group[k], record))  # fmt: skip
-            group = group[done:]
+    def run_job(job: list[int], roofline: bool) -> None:
+        framework = cases[job[0]][0]
+        with tempfile.TemporaryDirectory() as tmp:
+            if framework in _AMP_PER_PROCESS:
+                measured = run_lockstep([cases[i] for i in job], interpreter(framework), _env(), Path(tmp),
+                                        quick, steps, budget, timeout, lambda k, r: notify(job[k], r),
+                                        roofline)  # fmt: skip
+            else:
+                measured = _run_processes(job, roofline, Path(tmp))
+        if measured:
+            rooflines[framework] = measured
+
+    def _run_processes(job: list[int], roofline: bool, tmp: Path) -> dict | None:
+        measured = None
+        while job:
+            path = tmp / "roofline.json" if roofline and not measured else None
+            done, roof = _run_in_process([cases[i] for i in job], quick, steps, budget, timeout,
+                                         lambda k, record, job=job: notify(job[k], record), path)  # fmt: skip
+            measured = measured or roof
+            job = job[done:]
+        return measured
 
     missing = [i for i, case in enumerate(cases) if interpreter(case[0]) is None]
     for i in missing:
         notify(i, None)
         notify(i, _error_record(cases[i], NOT_INSTALLED, HOW_TO_INSTALL[cases[i][0]]))
-    groups = _process_groups([c for i, c in enumerate(cases) if i not in missing], reuse)
     present = [i for i in range(len(cases)) if i not in missing]
-    groups = [[present[k] for k in group] for group in groups]
-    if jobs == 1 or len(groups) <= 1:
-        for group in groups:
-            run_group(group)
+    job_list = [[present[k] for k in job] for job in _jobs([cases[i] for i in present], reuse)]
+    firsts, seen = [], set()  # the first job of each framework measures its roofline
+    for job in job_list:
+        firsts.append(cases[job[0]][0] not in seen)
+        seen.add(cases[job[0]][0])
+    if jobs == 1 or len(job_list) <= 1:
+        for job, first in zip(job_list, firsts):
+            run_job(job, first)
     else:
-        with ThreadPoolExecutor(min(jobs, len(groups))) as pool:
-            for future in [pool.submit(run_group, group) for group in groups]:
+        with ThreadPoolExecutor(min(jobs, len(job_list))) as pool:
+            for future in [pool.submit(run_job, job, first) for job, first in zip(job_list, firsts)]:
                 future.result()
+    attach_rooflines(records, rooflines, quick, steps)
     return records
 
 
-def _process_groups(cases: list, reuse: bool) -> list[list[int]]:
-    """Indices of the cases that share a worker process, in first-seen order."""
-    groups: dict = {}
-    for i, (framework, _, policy) in enumerate(cases):
-        key = i if not reuse else (framework, policy) if framework in _AMP_PER_PROCESS else framework
-        groups.setdefault(key, []).append(i)
-    return list(groups.values())
+def attach_rooflines(records: list[dict], rooflines: dict, quick: bool, steps) -> None:
+    """Give every timed record its framework's peaks (``roofline_peaks``) and its share (``roofline``)."""
+    from .flops import train_step_flops
+    from .roofline import share
+
+    for record in records:
+        peaks = rooflines.get(record.get("framework"))
+        if peaks is None or record.get("status") != "ok" or not record.get("median_step_s"):
+            continue
+        flops = train_step_flops(get_workload(record["workload"], quick=quick, steps=steps))
+        record["roofline_peaks"] = peaks
+        record["roofline"] = asdict(share(record["policy"], flops, record["median_step_s"], peaks))
 
 
-def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable) -> int:
-    """Run ``cases`` (one framework) in order in one worker process; returns how many got a record.
+def _jobs(cases: list, reuse: bool) -> list[list[int]]:
+    """Indices of the cases that one job runs (one worker process, or MXNet's processes of one
+    pair group), in first-seen order; within a job, by workload with float32 first, so that each
+    (framework, workload)'s cases are consecutive: a pair group."""
+    jobs: dict = {}
+    for i, (framework, workload, _) in enumerate(cases):
+        jobs.setdefault(framework if reuse else (framework, workload), []).append(i)
+    order: dict = {}
+    for _, workload, _ in cases:
+        order.setdefault(workload, len(order))
 
-    Each case has ``timeout`` seconds from the end of the one before (the first: from the start of
-    the process). When the process dies or times out, the case it was on gets an error record and
-    the count stops there."""
+    def key(i: int) -> tuple:
+        return order[cases[i][1]], cases[i][2] != BASELINE, i
+
+    return [sorted(job, key=key) for job in jobs.values()]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable,
+                    roofline: Path | None = None) -> tuple[int, dict | None]:  # fmt: skip
+    """Run ``cases`` (one framework) in order in one worker process, by pair groups; returns how many
+    got a record and the roofline the process measured first (when ``roofline``, its file).
+
+    A group has ``timeout`` seconds per case from the end of the one before (the first: from the
+    start of the process). When the process dies or times out, the cases of the group it was on get
+    an error record and the count stops at the end of that group."""
     framework = cases[0][0]
+    groups = pair_groups(cases)
     with tempfile.TemporaryDirectory() as tmp:
         out, log = Path(tmp) / "cases.jsonl", Path(tmp) / "output.txt"
         cmd = [interpreter(framework), "-m", "polyamp.compare.worker", "--budget", str(budget),
@@ -205,11 +264,13 @@ def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable
             cmd.append("--quick")
         if steps is not None:
             cmd += ["--steps", str(steps)]
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
+        if roofline is not None:
+            cmd += ["--roofline", str(roofline)]
         with open(log, "w") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
-        done = 0
-        notify(0, None)
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=_env())
+        done, g = 0, 0
+        for k in groups[0]:
+            notify(k, None)
         start = time.perf_counter()
         try:
             while done < len(cases):
@@ -218,27 +279,39 @@ def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable
                     record.setdefault("wall_s", time.perf_counter() - start)
                     notify(done, record)
                     done += 1
-                    start = time.perf_counter()
-                    if done < len(cases):
-                        notify(done, None)
+                    if done == groups[g][-1] + 1 and done < len(cases):
+                        g += 1
+                        start = time.perf_counter()
+                        for k in groups[g]:
+                            notify(k, None)
                 if done == len(cases):
                     break
-                if exited:
-                    tail = log.read_text(errors="replace").strip().splitlines()[-5:]
-                    error = f"exit code {proc.returncode}: " + " | ".join(tail)
-                    notify(done, _error_record(cases[done], "failed", error))
-                    return done + 1
-                if time.perf_counter() - start > timeout:
-                    proc.kill()
-                    error = f"no result within the {timeout:g} s timeout of a case"
-                    notify(done, _error_record(cases[done], "timeout", error))
-                    return done + 1
+                limit = timeout * len(groups[g])
+                if exited or time.perf_counter() - start > limit:
+                    if not exited:
+                        proc.kill()
+                        status = "timeout"
+                        error = (f"no result within the {timeout:g} s timeout of a case "
+                                 f"({limit:g} s for this group of {len(groups[g])})")  # fmt: skip
+                    else:
+                        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+                        error, status = f"exit code {proc.returncode}: " + " | ".join(tail), "failed"
+                    for k in range(done, groups[g][-1] + 1):
+                        notify(k, _error_record(cases[k], status, error))
+                    return groups[g][-1] + 1, _read_roofline(roofline)
                 time.sleep(0.02)
         finally:
             if proc.poll() is None and done < len(cases):
                 proc.kill()
             proc.wait()
-    return done
+    return done, _read_roofline(roofline)
+
+
+def _read_roofline(path: Path | None) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path is not None else None
+    except (OSError, ValueError):
+        return None
 
 
 def _read_records(path: Path) -> list[dict]:

@@ -6,6 +6,7 @@ policy) and loaded with the numpy weights of ``workloads.py`` (a Keras ``Dense``
 gradients, ``mp.apply`` with Keras's Adam (epsilon 1e-8, as torch's). LayerNorm epsilon and the
 exact (erf) GELU match the torch module; attention probabilities are a ``Softmax`` layer, which
 ``mp.scope()`` keeps in float32 under the mixed policies; logits go to the loss in float32.
+What backward keeps is read from the traced graph: the forward tensors its gradient ops consume.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from ..mixed_precision import MixedPrecision  # noqa: E402
-from ..step import StepResult
+from ..step import StepResult  # noqa: E402
+from .protocol import Saved, TrainerBase  # noqa: E402
 from .workloads import Workload  # noqa: E402
 
 
@@ -96,7 +98,56 @@ class CharLM(keras.Model):
         return self.head(self.lnf(x))
 
 
-class Trainer:
+def _mse(out, y):
+    return tf.reduce_mean(tf.square(out - y))
+
+
+def _cross_entropy(out, y):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, out))
+
+
+_LOSSES = {"mse": _mse, "cross_entropy": _cross_entropy}
+_NETWORKS = {"dense": mlp, "transformer": CharLM}
+_PASS_THROUGH = {"Identity", "ReadVariableOp"}  # what lies between a variable and a cast of it
+
+
+def _ancestors(tensors) -> set:
+    """Every op the ``tensors`` depend on (data inputs), their own ops included."""
+    seen, todo = set(), [t.op for t in tensors]
+    while todo:
+        op = todo.pop()
+        if op not in seen:
+            seen.add(op)
+            todo.extend(t.op for t in op.inputs)
+    return seen
+
+
+def _saved_in_graph(loss, grads) -> tuple[int | None, int | None]:
+    """(activation bytes, weight-copy bytes) that the backward ops of a traced step read from its
+    forward ops: forward = the loss's ancestors, backward = the gradients' other ancestors."""
+    forward = _ancestors([loss])
+    backward = _ancestors(grads) - forward
+    saved = {t.name: t for op in backward for t in op.inputs if t.op in forward}
+    activations = copies = 0
+    for t in saved.values():
+        if t.op.type in ("ReadVariableOp", "Const") or t.dtype == tf.resource:
+            continue  # a parameter, or a constant of the graph
+        n = t.shape.num_elements()
+        if n is None:
+            return None, None
+        size = n * t.dtype.size
+        if t.op.type == "Cast" and t.op.inputs[0].op.type in _PASS_THROUGH:
+            copies += size
+        else:
+            activations += size
+    return activations, copies
+
+
+def _entry(v) -> tuple[int, str]:
+    return int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize, str(v.dtype)
+
+
+class Trainer(TrainerBase):
     """One (workload, policy) training run: ``step(i)`` returns the train loss of step ``i``."""
 
     def __init__(self, wl: Workload, policy: str):
@@ -104,19 +155,15 @@ class Trainer:
         self.wl = wl
         self.mp = MixedPrecision(policy, framework="tensorflow")
         with self.mp.scope():
-            self.model = CharLM(wl) if wl.name == "charlm" else mlp(wl)
-        if wl.name == "charlm":
-            self.model(np.zeros((1, wl.context), np.int64))  # builds the blocks' softmax layers
+            self.model = _NETWORKS[wl.architecture](wl)
+        self.model(wl.batch_at(0)[0][:1])  # builds every layer (the blocks' softmax layers too)
         self.opt = keras.optimizers.Adam(wl.lr, epsilon=1e-8)
         self.opt.build(self.model.trainable_variables)
         self._train = tf.function(self._train_step)
         self._eval = tf.function(self._predict)
 
     def _loss(self, out, y):
-        out = tf.cast(out, tf.float32)
-        if self.wl.name == "mlp":
-            return tf.reduce_mean(tf.square(out - y))
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, out))
+        return _LOSSES[self.wl.loss_kind](tf.cast(out, tf.float32), y)
 
     def _train_step(self, x, y):
         variables = self.model.trainable_variables
@@ -135,13 +182,33 @@ class Trainer:
         self.last = StepResult(bool(stepped), float(scale))
         return float(loss)
 
-    def evaluate(self) -> float:
-        batches = self.wl.eval_batches_()
-        if self.wl.name == "digits":
-            ((x, y),) = batches
-            return float(np.mean(np.argmax(self._eval(x).numpy(), -1) == y))
-        losses = [float(self._loss(self._eval(x), y)) for x, y in batches]
-        return float(np.mean(losses))
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        """The model under the policy's Keras dtype policy, ``training=False`` (also ``infer``)."""
+        return self._eval(x).numpy()
+
+    # -- memory probes ---------------------------------------------------------------------------
+    def _parameters(self):
+        return [_entry(v) for v in self.model.trainable_variables]
+
+    def _gradients(self):
+        return self._parameters()  # tape.gradient returns each variable's gradient in its dtype
+
+    def _optimizer_bytes(self):
+        return sum(_entry(v)[0] for v in self.opt.variables)
+
+    def _saved(self) -> Saved:
+        def loss_and_grads(x, y):
+            with tf.GradientTape() as tape:
+                loss = self._loss(self.model(x, training=True), y)
+            grads = tape.gradient(loss, self.model.trainable_variables)
+            return loss, [tf.convert_to_tensor(g) for g in grads]
+
+        graph = tf.function(loss_and_grads).get_concrete_function(*self.wl.batch_at(0)).graph
+        loss, *grads = graph.outputs
+        activations, copies = _saved_in_graph(loss, grads)
+        return Saved(activations, copies, "tensors the backward ops of the traced step (tf.function "
+                     "graph, before Grappler's rewrites) read from its forward ops; variable reads "
+                     "excluded, their casts counted as weight copies")  # fmt: skip
 
 
 def versions() -> dict[str, str]:

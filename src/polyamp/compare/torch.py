@@ -1,7 +1,9 @@
 """The compare workloads in PyTorch, trained with ``polyamp.MixedPrecision``.
 
 Each network is built from the numpy weights of ``workloads.py`` (a dense layer's ``W[in, out]``
-is stored transposed, as ``nn.Linear`` wants it). Adam is torch's fused CPU kernel.
+is stored transposed, as ``nn.Linear`` wants it): the workload's ``architecture`` picks the
+network, its ``loss_kind`` the loss. Adam is torch's fused CPU kernel. Evaluation is the
+workload's, on ``forward``'s outputs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from ..mixed_precision import MixedPrecision
+from .protocol import Saved, TrainerBase
 from .workloads import Workload
 
 
@@ -81,24 +84,48 @@ class CharLM(nn.Module):
         return self.head(self.lnf(x))
 
 
-class Trainer:
+_LOSSES = {
+    "mse": lambda out, y: nn.functional.mse_loss(out.float(), y),
+    "cross_entropy": lambda out, y: nn.functional.cross_entropy(
+        out.float().reshape(-1, out.shape[-1]), y.reshape(-1)
+    ),
+}
+_NETWORKS = {"dense": MLP, "transformer": CharLM}
+# ops through which a saved tensor is still a parameter: a cast (ToCopy) and views of it
+_CAST_AND_VIEWS = {
+    "ToCopyBackward0", "TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0",
+    "PermuteBackward0", "ExpandBackward0", "AliasBackward0",
+}  # fmt: skip
+
+
+def _is_cast_of_parameter(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a cast of a leaf that requires grad (a parameter), possibly viewed."""
+    fn, cast = t.grad_fn, False
+    while fn is not None and type(fn).__name__ in _CAST_AND_VIEWS:
+        cast |= type(fn).__name__ == "ToCopyBackward0"
+        inputs = [f for f, _ in fn.next_functions if f is not None]
+        fn = inputs[0] if len(inputs) == 1 else None
+    return cast and fn is not None and type(fn).__name__ == "AccumulateGrad"
+
+
+def _entry(t: torch.Tensor) -> tuple[int, str]:
+    return t.numel() * t.element_size(), str(t.dtype).removeprefix("torch.")
+
+
+class Trainer(TrainerBase):
     """One (workload, policy) training run: ``step(i)`` returns the train loss of step ``i``."""
 
     def __init__(self, wl: Workload, policy: str):
         torch.manual_seed(wl.seed)
         self.wl = wl
-        self.model = CharLM(wl) if wl.name == "charlm" else MLP(wl)
+        self.model = _NETWORKS[wl.architecture](wl)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=wl.lr, fused=True)
         self.mp = MixedPrecision(policy, framework="torch", device="cpu")
         self.mp.watch(self.model)
 
     def _loss(self, x, y):
         with self.mp.autocast():
-            out = self.model(torch.from_numpy(x))
-            y = torch.from_numpy(y)
-            if self.wl.name == "mlp":
-                return nn.functional.mse_loss(out.float(), y)
-            return nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+            return _LOSSES[self.wl.loss_kind](self.model(torch.from_numpy(x)), torch.from_numpy(y))
 
     def step(self, i: int) -> float:
         x, y = self.wl.batch_at(i)
@@ -108,16 +135,46 @@ class Trainer:
         self.last = self.mp.step(self.opt)
         return float(loss.detach())
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        batches = self.wl.eval_batches_()
-        if self.wl.name == "digits":
-            ((x, y),) = batches
-            with self.mp.autocast():
-                pred = self.model(torch.from_numpy(x)).float().argmax(-1).numpy()
-            return float(np.mean(pred == y))
-        losses = [float(self._loss(x, y)) for x, y in batches]
-        return float(np.mean(losses))
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        with torch.no_grad(), self.mp.autocast():
+            return self.model(torch.from_numpy(x)).float().numpy()
+
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        """``torch.inference_mode`` under the policy's autocast (float32 weights, cast per op)."""
+        with torch.inference_mode(), self.mp.autocast():
+            return self.model(torch.from_numpy(x)).float().numpy()
+
+    # -- memory probes ---------------------------------------------------------------------------
+    def _parameters(self):
+        return [_entry(p) for p in self.model.parameters()]
+
+    def _gradients(self):
+        return [_entry(p if p.grad is None else p.grad) for p in self.model.parameters()]
+
+    def _optimizer_bytes(self):
+        tensors = [t for state in self.opt.state.values() for t in state.values() if torch.is_tensor(t)]
+        return sum(_entry(t)[0] for t in tensors) if tensors else None
+
+    def _saved(self) -> Saved:
+        """One training forward of batch 0 under ``saved_tensors_hooks``; each storage counted once."""
+        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        found: dict[int, tuple[int, bool]] = {}  # storage -> (bytes, is a cast of a parameter)
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                found[ptr] = (t.untyped_storage().nbytes(), _is_cast_of_parameter(t))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = self._loss(*self.wl.batch_at(0))
+        del loss
+        return Saved(
+            activations=sum(n for n, cast in found.values() if not cast),
+            weight_copies=sum(n for n, cast in found.values() if cast),
+            how="distinct storages packed by torch.autograd.graph.saved_tensors_hooks in one training "
+            "forward; parameters excluded, their autocast copies counted as weight copies",
+        )
 
 
 def versions() -> dict[str, str]:

@@ -1,16 +1,29 @@
-"""Runs compare cases one after another in this process and appends each record to a JSON-lines file.
+"""Runs compare cases in this process and appends each record to a JSON-lines file.
 
     python -m polyamp.compare.worker --case torch mlp float32 --case torch mlp bf16-mixed --out cases.jsonl
+    python -m polyamp.compare.worker --serve   # one MXNet policy, stepped by the runner over a pipe
 
-Measurement: the first step is a warm-up (it trains, but is not timed); every later step is timed
-from batch to the loss value on the host, so each framework's queued work is included. A case
-stops early once its steps have taken ``--budget`` seconds, and the record says so (if the
-warm-up step alone spent the budget, that one step is the measurement). A smoke check
-(``--quick``) counts only the timed steps against the budget: its warm-up is mostly tracing and
-compiling, slow on a busy machine, and every case should get past it to train and evaluate.
-Peak memory is the process's peak resident set size: the case's own in a fresh process, the peak
-so far when cases share one (``process_case`` > 0). A case that raises becomes a record with its
-error (``unsupported`` when the framework refuses the request here) and the next case runs.
+Consecutive cases of one (framework, workload) are a pair group: every policy's trainer is built
+here from the workload's shared weights, takes one warm-up step, then the policies step in
+interleaved rounds (``timing.py``), and each record carries its speed-up over float32 as the
+median of per-round ratios, with a 95 % interval and its number of rounds (``paired``). A step is
+timed from batch to the loss value on the host and, for MXNet, to the end of its queued work
+(``queued_work_waiter``), so each step's time holds its whole work.
+``--budget`` caps each policy's seconds of steps (its warm-up included, except in a smoke check,
+``--quick``, whose warm-up is mostly tracing and compiling; before 5 rounds, up to 3 budgets: see
+``timing.py``); a capped policy leaves the rounds and is not evaluated (it stopped at another step
+count than float32); the others go on. A policy that spent its budget on its warm-up has that step
+as its only measurement. ``wall_s`` is the group's,
+``loadavg_1min`` the machine's 1-minute load average as the group started and ended (other
+programs' load: more than the cores means the rounds competed for them).
+Peak memory is the process's peak resident set size, so it is shared by the group's policies (and
+by earlier cases of the process: ``process_case`` > 0). A case that raises (building, stepping or
+evaluating) becomes a record with its error (``unsupported`` when the framework refuses the request
+here); the others go on. ``--roofline FILE`` first measures the framework's matmul peaks into FILE.
+
+``--serve`` (MXNet, whose AMP is process-wide, so each policy has its own process): answers one
+JSON command a line on stdin (``roofline``, ``build``, ``step``, ``result``, ``exit``) with one
+JSON line on stdout; the runner pairs the processes' steps in rounds (``lockstep.py``).
 """
 
 from __future__ import annotations
@@ -25,85 +38,202 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
+from .timing import IN_PROCESS, CaseError, PolicyTimes, paired_ratios, run_rounds
 from .workloads import get_workload
 
-
-def run_case(framework: str, workload: str, policy: str, quick: bool, steps: int | None,
-             budget: float, seed: int = 0) -> dict:  # fmt: skip
-    start = time.perf_counter()
-    record = {"framework": framework, "workload": workload, "policy": policy, "status": "ok",
-              "error": None, "capped": False, "cap_reason": None}  # fmt: skip
-    wl = get_workload(workload, quick=quick, steps=steps, seed=seed)  # refuses steps < 1
-    record["steps_requested"] = wl.steps
-    module = importlib.import_module(f"polyamp.compare.{framework}")
-    record["versions"] = module.versions()
-    record["framework_version"] = record["versions"][framework]
-    trainer = module.Trainer(wl, policy)
-    losses, scales, durations = [], [], []
-    skipped = 0
-    for i in range(wl.steps):
-        t0 = time.perf_counter()
-        losses.append(trainer.step(i))
-        durations.append(time.perf_counter() - t0)
-        scales.append(trainer.mp.current_scale)
-        skipped += not trainer.last.stepped
-        if sum(durations[1:] if quick else durations) > budget and i + 1 < wl.steps:
-            record["capped"] = True
-            record["cap_reason"] = (
-                f"stopped after {i + 1} of {wl.steps} steps: the {budget:g} s budget of a case was "
-                f"spent (this step took {durations[-1]:.2f} s)"
-            )
-            break
-    times = durations[1:] or durations  # when only the warm-up step ran, it is the measurement
-    record["warmup_steps"] = len(durations) - len(times)
-    metric, higher = wl.metric
-    # A capped case stopped at another step count than float32: its metric would not be comparable.
-    value = math.nan if record["capped"] else trainer.evaluate()
-    record.update(
-        steps=len(losses),
-        step_times=times,
-        median_step_s=statistics.median(times),
-        losses=[x if math.isfinite(x) else None for x in losses],
-        scales=scales,
-        skipped_steps=skipped,
-        eval={
-            "metric": metric,
-            "value": value if math.isfinite(value) else None,
-            "higher_is_better": higher,
-        },  # fmt: skip
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        wall_s=time.perf_counter() - start,
-    )
-    return record
+BASELINE = "float32"
 
 
-def _record(case: list[str], quick: bool, steps: int | None, budget: float) -> dict:
-    """The case's record, or a record of the error it raised."""
-    framework, workload, policy = case
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def error_fields(err: BaseException) -> dict:
+    """A record's status, error and traceback for an exception being handled."""
+    return {"status": "unsupported" if getattr(err, "unsupported", False) else "failed",
+            "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=8)}  # fmt: skip
+
+
+class PolicyRun:
+    """One policy's trainer (``step(i)``, ``evaluate()``, ``mp``, ``last``) and what its steps gave."""
+
+    def __init__(self, trainer, metric: tuple[str, bool], clock: Callable[[], float] = time.perf_counter,
+                 sync: Callable[[], object] | None = None):  # fmt: skip
+        self.trainer, self.metric, self.clock, self.sync = trainer, metric, clock, sync
+        self.losses: list[float] = []
+        self.scales: list[float] = []
+        self.skipped = 0
+
+    def step(self, i: int) -> float:
+        """Run step ``i``; returns its seconds."""
+        t0 = self.clock()
+        loss = self.trainer.step(i)
+        if self.sync is not None:
+            self.sync()
+        seconds = self.clock() - t0
+        self.losses.append(loss)
+        self.scales.append(self.trainer.mp.current_scale)
+        self.skipped += not self.trainer.last.stepped
+        return seconds
+
+    def result(self, evaluate: bool) -> dict:
+        """The record's training fields; the metric only with ``evaluate``."""
+        value = self.trainer.evaluate() if evaluate else math.nan
+        name, higher = self.metric
+        return {
+            "steps": len(self.losses),
+            "losses": [x if math.isfinite(x) else None for x in self.losses],
+            "scales": self.scales,
+            "skipped_steps": self.skipped,
+            "eval": {"metric": name, "value": value if math.isfinite(value) else None,
+                     "higher_is_better": higher},  # fmt: skip
+            "peak_rss_mb": _peak_rss_mb(),
+        }
+
+
+def queued_work_waiter(framework: str) -> Callable[[], object] | None:
+    """What waits for the work a framework still runs after a step returned its loss: MXNet's engine
+    runs the backward pass and the optimizer update asynchronously (about 90 ms of the MLP's step on
+    this CPU), which would spill into the next policy's step in a round. torch, TensorFlow and JAX
+    have finished a step's work when its loss reaches the host."""
+    if framework == "mxnet":
+        import mxnet
+
+        return mxnet.nd.waitall
+    return None
+
+
+def timed_fields(times: PolicyTimes) -> dict:
+    """A record's timing fields: ``step_times`` are the rounds (the warm-up when it was all)."""
+    step_times = times.times or ([times.warmup_s] if times.warmup_s is not None else [])
+    return {"status": times.status, "error": times.error, "capped": times.cap_reason is not None,
+            "cap_reason": times.cap_reason, "warmup_steps": 1 if times.times else 0, "step_times": step_times,
+            "median_step_s": statistics.median(step_times) if step_times else None}  # fmt: skip
+
+
+def pair_group(runs: dict, steps: int, budget: float, quick: bool = False, pairing: str = IN_PROCESS) -> dict:
+    """Step ``runs`` (policy -> object with ``step(i) -> seconds`` and ``result(evaluate)``) in rounds;
+    returns each policy's record fields, ``paired`` holding its ratio over float32 (or None)."""
+    times = run_rounds({p: run.step for p, run in runs.items()}, steps, budget, count_warmup=not quick)
+    ratios = paired_ratios(times, BASELINE, pairing)
+    out = {}
+    for policy, run in runs.items():
+        fields = timed_fields(times[policy])
+        if times[policy].status == "ok":
+            try:
+                fields.update(run.result(evaluate=not fields["capped"]))
+            except CaseError as err:  # in the policy's own process
+                fields.update(status=err.status, error=err.error, traceback=err.remote_traceback)
+            except Exception as err:
+                fields.update(error_fields(err))
+        else:
+            fields["traceback"] = times[policy].traceback
+        ratio = ratios.get(policy)
+        fields["paired"] = ratio.to_json() if ratio and fields["status"] == "ok" else None
+        out[policy] = fields
+    return out
+
+
+def run_group(framework: str, workload: str, policies: list[str], quick: bool, steps: int | None,
+              budget: float, seed: int = 0) -> list[dict]:  # fmt: skip
+    """The records of one pair group, in the order of ``policies``."""
+    start, load = time.perf_counter(), os.getloadavg()[0]
+    common = [{"framework": framework, "workload": workload, "policy": p, "seed": seed} for p in policies]
     try:
-        return run_case(framework, workload, policy, quick, steps, budget)
-    except Exception as err:  # the runner reports the error text; the compare run goes on
-        return {"framework": framework, "workload": workload, "policy": policy,
-                "status": "unsupported" if getattr(err, "unsupported", False) else "failed",
-                "error": f"{type(err).__name__}: {err}",
-                "traceback": traceback.format_exc(limit=8)}  # fmt: skip
+        wl = get_workload(workload, quick=quick, steps=steps, seed=seed)  # refuses steps < 1
+        module = importlib.import_module(f"polyamp.compare.{framework}")
+        versions = module.versions()
+    except Exception as err:
+        return [{**c, **error_fields(err)} for c in common]
+    runs, fields = {}, {}
+    sync = queued_work_waiter(framework)
+    for policy in policies:
+        try:
+            runs[policy] = PolicyRun(module.Trainer(wl, policy), wl.metric, sync=sync)
+        except Exception as err:
+            fields[policy] = error_fields(err)
+    fields.update(pair_group(runs, wl.steps, budget, quick))
+    wall = time.perf_counter() - start
+    shared = {"versions": versions, "framework_version": versions[framework], "steps_requested": wl.steps,
+              "group_policies": list(policies), "loadavg_1min": [load, os.getloadavg()[0]]}  # fmt: skip
+    return [{**c, **shared, **fields[c["policy"]], "wall_s": wall} for c in common]
+
+
+def pair_groups(cases: list) -> list[list[int]]:
+    """Indices of consecutive cases with the same (framework, workload): the pair groups."""
+    groups: list[list[int]] = []
+    for i, case in enumerate(cases):
+        if groups and tuple(cases[groups[-1][0]][:2]) == tuple(case[:2]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def serve(commands, reply) -> None:
+    """Answer ``commands`` (JSON lines) on ``reply`` until ``exit`` or their end (see the docstring)."""
+    from .roofline import measure
+
+    run = None
+    for line in commands:
+        cmd = json.loads(line)
+        op = cmd["op"]
+        if op == "exit":
+            break
+        try:
+            if op == "roofline":
+                out = {"roofline": measure(cmd["framework"], cmd["quick"]).to_json()}
+            elif op == "build":
+                wl = get_workload(cmd["workload"], quick=cmd["quick"], steps=cmd["steps"], seed=cmd["seed"])
+                module = importlib.import_module(f"polyamp.compare.{cmd['framework']}")
+                run = PolicyRun(module.Trainer(wl, cmd["policy"]), wl.metric,
+                                sync=queued_work_waiter(cmd["framework"]))  # fmt: skip
+                out = {"versions": module.versions(), "steps_requested": wl.steps}
+            elif op == "step":
+                out = {"seconds": run.step(cmd["i"])}
+            elif op == "result":
+                out = run.result(cmd["evaluate"])
+            else:
+                raise ValueError(f"unknown command {op!r}; accepted: roofline, build, step, result, exit")
+        except Exception as err:
+            out = {"failure": error_fields(err)}
+        reply.write(json.dumps(out) + "\n")
+        reply.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", nargs=3, action="append", required=True,
-                        metavar=("FRAMEWORK", "WORKLOAD", "POLICY"))  # fmt: skip
+    parser.add_argument("--case", nargs=3, action="append", metavar=("FRAMEWORK", "WORKLOAD", "POLICY"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--budget", type=float, default=6.0)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
+    parser.add_argument("--roofline", metavar="FILE")
+    parser.add_argument("--serve", action="store_true")
     args = parser.parse_args(argv)
-    for index, case in enumerate(args.case):
-        record = _record(case, args.quick, args.steps, args.budget)
-        record.update(worker_pid=os.getpid(), process_case=index)
-        with open(args.out, "a", encoding="utf-8") as f:  # one whole line per case: the runner reads them
-            f.write(json.dumps(record) + "\n")
+    if args.serve:
+        reply = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)  # what the frameworks print goes to stderr; stdout carries the replies only
+        serve(sys.stdin, reply)
+        return 0
+    if not args.case or not args.out:
+        parser.error("--case and --out are needed (or --serve)")
+    if args.roofline:
+        from .roofline import measure
+
+        with open(args.roofline, "w", encoding="utf-8") as f:
+            json.dump(measure(args.case[0][0], args.quick).to_json(), f)
+    index = 0
+    for group in pair_groups(args.case):
+        framework, workload = args.case[group[0]][:2]
+        policies = [args.case[i][2] for i in group]
+        for record in run_group(framework, workload, policies, args.quick, args.steps, args.budget):
+            record.update(worker_pid=os.getpid(), process_case=index)
+            index += 1
+            with open(args.out, "a", encoding="utf-8") as f:  # one whole line per case: the runner reads them
+                f.write(json.dumps(record) + "\n")
     return 0
 
 
