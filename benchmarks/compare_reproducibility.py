@@ -5,7 +5,8 @@
 Run 1 is a plain ``polyamp compare``; run 2 is the same command while a CPU-bound process (a busy
 loop pinned to core 0, started before run 2 and stopped after it by this script, and ending by
 itself after ``--busy-limit`` seconds in any case) keeps one core busy. For every mixed-precision
-case whose speed-up rests on at least ``--min-rounds`` paired rounds in both runs, the table shows
+case's training and inference speed-up resting on at least ``--min-rounds`` paired rounds in both
+runs, the table shows
 both speed-ups with their 95 % intervals and their relative difference |r2 / r1 - 1|; they agree
 when it is at most ``--tolerance``. Exit status: 0 when every such speed-up agrees, else 1.
 """
@@ -50,11 +51,16 @@ def busy_core(limit: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", BUSY.format(limit=limit)], preexec_fn=pin)
 
 
-def cell(row: dict) -> str:
-    if row.get("speedup") is None:
-        return row.get("status") or "n/a"
-    ci, n = row.get("speedup_ci95"), row.get("speedup_rounds")
-    text = f"{row['speedup']:.3g}x"
+def speedups(row: dict) -> dict[str, dict]:
+    """The row's training and inference speed-ups (each: speedup, speedup_ci95, speedup_rounds)."""
+    return {"train": row, "infer": row.get("inference") or {}}
+
+
+def cell(ratio: dict, status: str | None) -> str:
+    if ratio.get("speedup") is None:
+        return status or "n/a"
+    ci, n = ratio.get("speedup_ci95"), ratio.get("speedup_rounds")
+    text = f"{ratio['speedup']:.3g}x"
     if ci:
         text += f" [{ci[0]:.3g}-{ci[1]:.3g}]"
     return text + (f" n={n}" if n is not None else " unpaired")
@@ -81,17 +87,20 @@ def main() -> int:
         busy.wait()
     print(f"run 1: {wall1:.0f} s; run 2 (one core busy): {wall2:.0f} s")
     by_case = {(r["framework"], r["workload"], r["policy"]): r for r in second}
-    header = f"{'case':34s} {'run 1':28s} {'run 2 (one core busy)':28s} {'diff':>6s}  verdict"
+    header = f"{'case':40s} {'run 1':28s} {'run 2 (one core busy)':28s} {'diff':>6s}  verdict"
     print(header + "\n" + "-" * len(header))
     compared = agreed = 0
-    for r1 in first:
+    for r1, kind in ((r, kind) for r in first for kind in ("train", "infer")):
         key = (r1["framework"], r1["workload"], r1["policy"])
         r2 = by_case.get(key)
-        if r1.get("is_baseline") or r2 is None:
+        if r1["policy"] == "float32" or r2 is None:
             continue
-        rounds = [r.get("speedup_rounds") or 0 for r in (r1, r2)]
-        if r1.get("speedup") and r2.get("speedup"):
-            diff = abs(r2["speedup"] / r1["speedup"] - 1)
+        s1, s2 = speedups(r1)[kind], speedups(r2)[kind]
+        if kind == "infer" and not (s1 or s2):
+            continue
+        rounds = [s.get("speedup_rounds") or 0 for s in (s1, s2)]
+        if s1.get("speedup") and s2.get("speedup"):
+            diff = abs(s2["speedup"] / s1["speedup"] - 1)
             diff_text = f"{diff:6.1%}"
         else:
             diff, diff_text = None, "     -"
@@ -103,7 +112,9 @@ def main() -> int:
             compared += 1
             agreed += diff <= args.tolerance
             verdict = "agree" if diff <= args.tolerance else f"DIFFER (> {args.tolerance:.0%})"
-        print(f"{' '.join(key):34s} {cell(r1):28s} {cell(r2):28s} {diff_text}  {verdict}")
+        label = " ".join(key) + f" {kind}"
+        print(f"{label:40s} {cell(s1, r1.get('status')):28s} {cell(s2, r2.get('status')):28s} {diff_text}  "
+              f"{verdict}")
     print(f"\n{agreed} of {compared} speed-ups resting on >= {args.min_rounds} rounds in both runs agree "
           f"within {args.tolerance:.0%}.")
     return 0 if agreed == compared else 1

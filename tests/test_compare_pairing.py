@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from polyamp import PolyampError
-from polyamp.compare import report, runner
+from polyamp.compare import report, runner, verdict
 from polyamp.compare.flops import train_step_flops
 from polyamp.compare.report import summarize, terminal_table, write_report
 from polyamp.compare.roofline import share
@@ -30,7 +30,7 @@ from polyamp.compare.timing import (
     paired_ratio,
     run_rounds,
 )
-from polyamp.compare.worker import PolicyRun, pair_group
+from polyamp.compare.worker import INFER_MAX_CALLS, PolicyRun, infer_budget_for, pair_group
 from polyamp.compare.workloads import get_workload
 from polyamp.step import StepResult
 
@@ -43,15 +43,40 @@ class Clock:
         return self.now
 
 
+HELDOUT = [(np.full((4, 2), k, np.float32), None) for k in range(3)]  # input k holds k: inputs_seen shows it
+
+
 class FakeTrainer:
-    """A policy whose step costs ``base_s * machine(t)`` seconds of the virtual clock."""
+    """A policy whose step costs ``base_s * machine(t)`` seconds of the virtual clock, and whose
+    ``infer`` costs ``infer_s * machine(t)``."""
+
+    inference_form = "fake inference"
 
     def __init__(self, clock: Clock, base_s: float, machine, log: list | None = None, name: str = "",
-                 fail_at: int | None = None):  # fmt: skip
+                 fail_at: int | None = None, infer_s: float | None = None,
+                 infer_error: Exception | None = None, memory_error: Exception | None = None):  # fmt: skip
         self.clock, self.base_s, self.machine = clock, base_s, machine
         self.mp = SimpleNamespace(current_scale=1.0)
         self.last = None
         self.log, self.name, self.fail_at = log, name, fail_at
+        self.infer_s = base_s / 3 if infer_s is None else infer_s
+        self.infer_error, self.memory_error = infer_error, memory_error
+        self.wl = SimpleNamespace(heldout=lambda: HELDOUT,
+                                  evaluate=lambda f: float(np.mean([f(x) for x, _ in HELDOUT])))  # fmt: skip
+        self.inputs_seen: list[int] = []
+
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        if self.infer_error is not None:
+            raise self.infer_error
+        self.inputs_seen.append(int(x[0, 0]))
+        self.clock.now += self.infer_s * self.machine(self.clock.now)
+        return np.full(2, 0.25, np.float32)
+
+    def memory(self) -> dict:
+        if self.memory_error is not None:
+            raise self.memory_error
+        weights = 500 if self.name == "bf16-mixed" else 1000
+        return {"parameters": 1000, "inference_weights": weights, "how": {}}
 
     def step(self, i: int) -> float:
         if i == self.fail_at:
@@ -164,6 +189,94 @@ def test_a_policy_whose_step_raises_fails_alone():
     assert pair_group(runs, steps=4, budget=math.inf)["bf16-mixed"]["paired"] is None
 
 
+def test_inference_calls_are_paired_like_training_steps_while_the_machine_speed_varies():
+    train = {"float32": 0.2, "bf16-mixed": 0.1, "fp16-mixed": 0.5}
+    infer = {"float32": 0.06, "bf16-mixed": 0.02, "fp16-mixed": 0.12}  # true inference speed-ups 3.0 and 0.5
+    clock, machine = Clock(), drifting_machine(1)
+    runs = {p: PolicyRun(FakeTrainer(clock, train[p], machine, name=p, infer_s=infer[p]), ("loss", False),
+                         clock=clock) for p in train}  # fmt: skip
+    fields = pair_group(runs, steps=80, budget=math.inf)
+    bf16, fp16 = fields["bf16-mixed"]["inference"], fields["fp16-mixed"]["inference"]
+    assert bf16["paired"]["speedup"] == pytest.approx(3.0, rel=0.03)
+    assert fp16["paired"]["speedup"] == pytest.approx(0.5, rel=0.03)
+    assert bf16["paired"]["rounds"] == INFER_MAX_CALLS - 1 and bf16["paired"]["pairing"] == IN_PROCESS
+    assert 2.8 < bf16["paired"]["ci95"][0] and bf16["paired"]["ci95"][1] < 3.2
+    assert fields["bf16-mixed"]["paired"]["speedup"] == pytest.approx(2.0, rel=0.03)  # training's own
+    base = fields["float32"]["inference"]
+    assert base["paired"] is None and base["status"] == "ok"
+    assert len(base["step_times"]) == INFER_MAX_CALLS - 1
+    assert base["median_ms"] == pytest.approx(1000 * statistics.median(base["step_times"]))
+    assert (bf16["how"], bf16["batch"], bf16["weights_bytes"]) == ("fake inference", 4, 500)
+    assert base["weights_bytes"] == 1000
+    assert bf16["eval"] == {"metric": "loss", "value": 0.25, "higher_is_better": False}
+    memory = fields["bf16-mixed"]
+    assert memory["memory"]["parameters"] == 1000 and memory["memory_error"] is None
+    # call k (0: the warm-up) runs on held-out input k, cycling; then the evaluation reads each once
+    seen = runs["float32"].trainer.inputs_seen
+    assert seen[:INFER_MAX_CALLS] == [k % 3 for k in range(INFER_MAX_CALLS)]
+    assert seen[INFER_MAX_CALLS:] == [0, 1, 2]
+    # a few training steps: no more inference calls than steps
+    fields = pair_group(fake_runs(Clock(), lambda t: 1.0, train), steps=6, budget=math.inf)
+    assert all(len(f["inference"]["step_times"]) == 5 for f in fields.values())
+
+
+def test_inference_has_its_own_budget_and_a_capped_training_is_timed_but_not_evaluated():
+    bases = {"float32": 0.2, "bf16-mixed": 20.0}  # bf16 training capped: 45 s budget
+    infer = {"float32": 0.25, "bf16-mixed": 1.0}
+    clock = Clock()
+    runs = {p: PolicyRun(FakeTrainer(clock, bases[p], lambda t: 1.0, name=p, infer_s=infer[p]),
+                         ("loss", False), clock=clock) for p in bases}  # fmt: skip
+    fields = pair_group(runs, steps=40, budget=45.0, infer_budget=5.5)
+    capped = fields["bf16-mixed"]
+    assert capped["capped"] and capped["status"] == "ok"
+    inference = capped["inference"]
+    assert inference["status"] == "ok" and inference["eval"] is None  # stopped at another step than float32
+    # its warm-up call (tracing, compiling) is not counted: 6 x 1 s > 5.5 s
+    assert inference["capped"] and len(inference["step_times"]) == 6
+    assert inference["cap_reason"] == ("stopped after 7 of 40 steps: the 5.5 s budget of a case spent (this "
+                                       "step took 1.00 s)")  # fmt: skip
+    assert inference["paired"]["speedup"] == pytest.approx(0.25) and inference["paired"]["rounds"] == 6
+    assert fields["float32"]["inference"]["eval"]["value"] == 0.25
+    assert len(fields["float32"]["inference"]["step_times"]) == 23  # 23 x 0.25 s > 5.5 s
+    assert infer_budget_for(6.0) == 1.5 and infer_budget_for(1.0) == 0.5 and infer_budget_for(6.0, 2) == 2.0
+    for bad in (0, -1.0, math.nan, math.inf, True, "1"):
+        with pytest.raises(PolyampError, match=f"infer_budget must be a finite number .*got {bad!r}"):
+            infer_budget_for(6.0, bad)
+
+
+class Unsupported(RuntimeError):
+    unsupported = True
+
+
+def test_a_failing_inference_or_memory_probe_never_fails_the_training_case():
+    clock = Clock()
+
+    def run(name, **kwargs):
+        trainer = FakeTrainer(clock, 0.1, lambda t: 1.0, name=name, **kwargs)
+        return PolicyRun(trainer, ("loss", False), clock=clock)
+
+    runs = {"float32": run("float32", memory_error=MemoryError("probe exploded")),
+            "bf16-mixed": run("bf16-mixed", infer_error=RuntimeError("no bf16 kernel")),
+            "fp16-mixed": run("fp16-mixed", infer_error=Unsupported("float16 needs a GPU")),
+            "fp8": run("fp8", fail_at=2)}  # fmt: skip
+    fields = pair_group(runs, steps=6, budget=math.inf)
+    base = fields["float32"]
+    assert base["status"] == "ok" and base["memory"] is None
+    assert base["memory_error"] == "MemoryError: probe exploded"
+    assert base["inference"]["status"] == "ok" and base["inference"]["weights_bytes"] is None
+    bf16 = fields["bf16-mixed"]
+    assert bf16["status"] == "ok" and bf16["paired"]["rounds"] == 5 and bf16["eval"]["value"] == 0.5
+    assert bf16["memory"]["parameters"] == 1000
+    assert bf16["inference"]["status"] == "failed"
+    assert bf16["inference"]["error"] == "RuntimeError: no bf16 kernel"
+    assert bf16["inference"]["paired"] is None and bf16["inference"]["eval"] is None
+    assert bf16["inference"]["how"] == "fake inference"  # what it tried, with why it failed
+    fp16 = fields["fp16-mixed"]["inference"]
+    assert fp16["status"] == "unsupported" and fp16["error"] == "Unsupported: float16 needs a GPU"
+    assert fields["fp8"]["status"] == "failed" and fields["fp8"]["inference"] is None
+    assert fields["fp8"]["memory"] is None and fields["fp8"]["memory_error"] is None
+
+
 def test_the_bootstrap_interval_contains_the_median_and_narrows_with_less_noise():
     rng = np.random.default_rng(1)
     for noise in (0.02, 0.2):
@@ -197,8 +310,8 @@ def test_the_report_shows_the_paired_ratio_its_interval_and_rounds_and_names_unp
     del unpaired["paired"]  # a record from before pairing
     cases += [{**_paired_case("float32", None, 9, None), "framework": "jax"}, unpaired]
     rows = summarize(cases)
-    assert (rows[1]["speedup"], rows[1]["speedup_ci95"], rows[1]["speedup_rounds"]) == (1.71, [1.62, 1.80], 9)
-    assert rows[4]["speedup"] == pytest.approx(2.0) and rows[4]["pairing"].startswith("unpaired")
+    assert (rows[1].speedup, rows[1].speedup_ci95, rows[1].speedup_rounds) == (1.71, [1.62, 1.80], 9)
+    assert rows[4].speedup == pytest.approx(2.0) and rows[4].pairing.startswith("unpaired")
     text = " ".join(terminal_table(rows, width=190).split())
     assert "1.71x" in text and "[1.62-1.80] n=9" in text and "0.50x (slower)" in text  # may wrap
     cases[2]["loadavg_1min"] = [1.5, 3.2]  # timed while other programs loaded the 2 cores
@@ -210,8 +323,9 @@ def test_the_report_shows_the_paired_ratio_its_interval_and_rounds_and_names_unp
     assert "**unpaired: ratio of medians taken at different times**: jax mlp bf16-mixed" in md
     # below 1x but with 1x inside its interval: not called slower
     unsure = summarize([cases[0], _paired_case("bf16-mixed", 0.98, 9, [0.92, 1.03])])[1]
-    assert "| 0.98x [0.92-1.03] n=9 |" in report._markdown([unsure], {}, [])
-    assert "slower" not in report._markdown([unsure], {}, [])
+    md = report._markdown([unsure], {}, verdict.build([unsure]), [], smoke=False)
+    assert "| 0.98x [0.92-1.03] n=9 |" in md and "slower" not in md
+    assert "training step 0.98x float32's speed: no clear difference (95 % CI 0.92-1.03" in md
 
 
 def test_flops_per_step_and_the_roofline_share():

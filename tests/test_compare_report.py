@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from polyamp.compare import report
+from polyamp.compare import curves, plots, report
 from polyamp.compare.report import ROW_KEYS, summarize, terminal_table, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -76,9 +76,14 @@ def synthetic_cases() -> list[dict]:
 
 
 def find(rows, framework, workload, policy):
-    (row,) = [
-        r for r in rows if (r["framework"], r["workload"], r["policy"]) == (framework, workload, policy)
-    ]
+    """The row of a case, from summarize (a Row) or from report.json (a dict)."""
+
+    def key(r):
+        if isinstance(r, dict):
+            return r["framework"], r["workload"], r["policy"]
+        return r.framework, r.workload, r.policy
+
+    (row,) = [r for r in rows if key(r) == (framework, workload, policy)]
     return row
 
 
@@ -94,12 +99,14 @@ def written(tmp_path_factory):
     return out, paths
 
 
-def test_rows_have_exactly_the_documented_keys_and_tolerances():
-    rows = summarize(synthetic_cases(), loss_tolerance=0.1, accuracy_tolerance=0.03)
+def test_rows_have_exactly_the_documented_keys_and_each_workloads_tolerance(written):
+    rows = summarize(synthetic_cases(), tolerances={"digits": 0.03})
     assert len(rows) == len(synthetic_cases())
-    assert all(tuple(r) == ROW_KEYS for r in rows)
-    assert {(r["loss_tolerance"], r["accuracy_tolerance"]) for r in rows} == {(0.1, 0.03)}
-    assert find(rows, "torch", "mlp", "bf16-mixed")["baseline"] == "torch float32"
+    doc = json.loads(open(written[1]["json"]).read())
+    assert all(tuple(r) == ROW_KEYS for r in doc["rows"])
+    assert find(rows, "torch", "digits", "bf16-mixed").tolerance == 0.03  # overridden
+    assert find(rows, "torch", "charlm", "bf16-mixed").tolerance == 0.05  # CharLM's own
+    assert find(rows, "torch", "mlp", "bf16-mixed").baseline == "torch float32"
 
 
 def test_speedups_in_json_equal_the_ratio_of_medians_recomputed_from_step_times(written):
@@ -119,7 +126,7 @@ def test_speedups_in_json_equal_the_ratio_of_medians_recomputed_from_step_times(
     assert checked == 16
     assert find(doc["rows"], "torch", "mlp", "fp16-mixed")["speedup"] == pytest.approx(0.01, rel=0.05)
     assert find(doc["rows"], "torch", "mlp", "bf16-mixed")["speedup"] == pytest.approx(2.0, rel=0.05)
-    assert doc["tolerances"]["loss_relative"] == 0.05 and doc["tolerances"]["accuracy_absolute"] == 0.02
+    assert find(doc["rows"], "torch", "digits", "bf16-mixed")["tolerance"] == 0.02
 
 
 def test_capped_case_is_compared_with_the_baseline_loss_at_the_same_step():
@@ -129,14 +136,14 @@ def test_capped_case_is_compared_with_the_baseline_loss_at_the_same_step():
     base = next(
         c for c in cases if (c["framework"], c["workload"], c["policy"]) == ("torch", "charlm", "float32")
     )
-    assert row["steps"] == 1 and row["capped"]
-    assert row["loss_compared_at_step"] == 1
-    assert row["loss_delta"] == pytest.approx(2.01 * math.exp(-0.05) - base["losses"][0], rel=1e-12)
-    assert row["loss_delta"] != pytest.approx(row["final_loss"] - base["losses"][-1])
+    assert row.steps == 1 and row.capped
+    assert row.loss_compared_at_step == 1
+    assert row.loss_delta == pytest.approx(2.01 * math.exp(-0.05) - base["losses"][0], rel=1e-12)
+    assert row.loss_delta != pytest.approx(row.final_loss - base["losses"][-1])
     # held-out loss after 1 step vs after 30 steps is not a comparison: no delta, a note instead
-    assert row["eval_delta"] is None
-    assert any("not compared" in n for n in row["notes"])
-    assert row["parity_basis"] == "train_loss@step1" and row["parity"] == "ok"
+    assert row.eval_delta is None
+    assert any("not compared" in n for n in row.notes)
+    assert row.parity_basis == "train_loss@step1" and row.parity == "ok"
 
 
 def test_eval_delta_only_with_equal_step_counts():
@@ -144,20 +151,20 @@ def test_eval_delta_only_with_equal_step_counts():
     same = make_case("torch", "digits", "bf16-mixed", eval_value=0.94)
     fewer = make_case("torch", "digits", "fp16-mixed", steps=20, requested=30, eval_value=0.94)
     rows = summarize([base, same, fewer])
-    assert rows[1]["eval_delta"] == pytest.approx(-0.01)
-    assert rows[2]["eval_delta"] is None and rows[2]["loss_delta"] is not None
+    assert rows[1].eval_delta == pytest.approx(-0.01)
+    assert rows[2].eval_delta is None and rows[2].loss_delta is not None
 
 
 def test_a_capped_baseline_is_compared_at_its_last_step():
     base = make_case("jax", "mlp", "float32", steps=5)
     case = make_case("jax", "mlp", "bf16-mixed", steps=8, loss0=2.05)
     row = summarize([base, case])[1]
-    assert row["loss_compared_at_step"] == 5 and row["speedup"] is not None
-    assert row["loss_delta"] == pytest.approx(case["losses"][4] - base["losses"][4], rel=1e-12)
-    assert row["parity_basis"] == "train_loss@step5" and row["parity"] == "ok"  # 2.5 % above
-    assert any("train loss compared at step 5" in n for n in row["notes"])
+    assert row.loss_compared_at_step == 5 and row.speedup is not None
+    assert row.loss_delta == pytest.approx(case["losses"][4] - base["losses"][4], rel=1e-12)
+    assert row.parity_basis == "train_loss@step5" and row.parity == "ok"  # 2.5 % above
+    assert any("train loss compared at step 5" in n for n in row.notes)
     worse = summarize([base, make_case("jax", "mlp", "bf16-mixed", steps=8, loss0=2.2)])[1]
-    assert worse["parity"] == "worse"
+    assert worse.parity == "worse"
 
 
 @pytest.mark.parametrize(
@@ -167,9 +174,9 @@ def test_a_capped_baseline_is_compared_at_its_last_step():
 def test_loss_parity_at_the_relative_tolerance_boundary(base_value, case_value, loss_tol, verdict):
     base = make_case("torch", "charlm", "float32", eval_value=base_value)
     case = make_case("torch", "charlm", "bf16-mixed", eval_value=case_value)
-    row = summarize([base, case], loss_tolerance=loss_tol)[1]
-    assert (row["parity"], row["parity_basis"]) == (verdict, "heldout_loss")
-    assert row["parity_diff"] == pytest.approx((case_value - base_value) / base_value)
+    row = summarize([base, case], tolerances={"charlm": loss_tol})[1]
+    assert (row.parity, row.parity_basis) == (verdict, "heldout_loss")
+    assert row.parity_diff == pytest.approx((case_value - base_value) / base_value)
 
 
 @pytest.mark.parametrize(("case_value", "verdict"), [(0.93, "ok"), (0.9299, "worse"), (0.99, "ok")])
@@ -177,7 +184,7 @@ def test_accuracy_parity_at_the_absolute_tolerance_boundary(case_value, verdict)
     base = make_case("torch", "digits", "float32", eval_value=0.95)
     case = make_case("torch", "digits", "bf16-mixed", eval_value=case_value)
     row = summarize([base, case])[1]
-    assert (row["parity"], row["parity_basis"]) == (verdict, "accuracy")
+    assert (row.parity, row.parity_basis) == (verdict, "accuracy")
 
 
 def test_train_loss_parity_when_there_is_no_eval():
@@ -185,8 +192,8 @@ def test_train_loss_parity_when_there_is_no_eval():
     ok = make_case("torch", "mlp", "bf16-mixed", loss0=1.05, rate=0.0)
     worse = make_case("torch", "mlp", "fp16-mixed", loss0=1.0501, rate=0.0)
     rows = summarize([base, ok, worse])
-    assert [r["parity"] for r in rows] == ["n/a", "ok", "worse"]
-    assert rows[1]["parity_basis"] == "train_loss@step30"
+    assert [r.parity for r in rows] == ["n/a", "ok", "worse"]
+    assert rows[1].parity_basis == "train_loss@step30"
 
 
 def test_diverged_case_is_worse_and_the_json_stays_strict(tmp_path):
@@ -195,7 +202,7 @@ def test_diverged_case_is_worse_and_the_json_stays_strict(tmp_path):
     diverged["losses"][-1] = float("nan")
     diverged["step_times"][0] = float("inf")
     row = summarize([base, diverged])[1]
-    assert row["parity"] == "worse" and math.isnan(row["loss_delta"])
+    assert row.parity == "worse" and math.isnan(row.loss_delta)
 
     def no_constants(name):
         raise ValueError(f"non-standard JSON constant {name}")
@@ -211,8 +218,8 @@ def test_diverged_case_is_worse_and_the_json_stays_strict(tmp_path):
 def test_missing_or_failed_baseline_gives_no_comparisons():
     rows = summarize(synthetic_cases())
     row = find(rows, "tensorflow", "mlp", "bf16-mixed")
-    assert row["baseline"] is None and row["speedup"] is None and row["loss_delta"] is None
-    assert row["parity"] == "n/a" and "no float32 baseline (float32 not run)" in row["notes"]
+    assert row.baseline is None and row.speedup is None and row.loss_delta is None
+    assert row.parity == "n/a" and "no float32 baseline (float32 not run)" in row.notes
     failed_base = summarize(
         [
             make_case("jax", "mlp", "float32", status="failed", error="boom"),
@@ -220,8 +227,8 @@ def test_missing_or_failed_baseline_gives_no_comparisons():
         ]
     )
     assert (
-        failed_base[1]["speedup"] is None
-        and "no float32 baseline (float32 failed)" in failed_base[1]["notes"]
+        failed_base[1].speedup is None
+        and "no float32 baseline (float32 failed)" in failed_base[1].notes
     )
 
 
@@ -272,7 +279,7 @@ def test_terminal_table_fits_the_terminal_width(width, rich, monkeypatch):
         assert column in header, column
     assert ("ms/step" in header) == (width == 100)
     for row in rows:  # every case keeps its row
-        assert any(line.split()[:3] == [row["framework"], row["workload"], row["policy"]] for line in lines)
+        assert any(line.split()[:3] == [row.framework, row.workload, row.policy] for line in lines)
     words = " ".join(text.split())
     assert "failed: RuntimeError:" in words and "timeout: no result" in words
     assert "0.01x (slower)" in words
@@ -293,9 +300,9 @@ def test_a_smoke_check_is_labelled_so_in_the_table_the_markdown_and_the_json(ric
     doc = json.loads(open(paths["json"]).read())
     assert doc["timings"]["kind"] == "smoke check" and "not findings" in doc["timings"]["note"]
     md = open(paths["markdown"], encoding="utf-8").read()
-    results = md.split("## Results", 1)[1]
-    assert md.startswith("# polyamp compare report (smoke check)")
-    assert results.lstrip().startswith("> **Smoke check (--quick):")
+    assert md.startswith("# polyamp compare report (smoke check)\n\n> **Smoke check (--quick):")
+    assert "Smoke check (--quick): tiny models and a few steps; no speed verdict" in md
+    assert doc["verdict"]["smoke"] is True and "no speed verdict" in doc["verdict"]["sentences"][0]
     assert "slower than float32" not in md and "(slower)" not in md
 
 
@@ -329,21 +336,18 @@ def test_markdown_lists_settings_capped_errors_and_what_comparisons_are_against(
     assert f"torch mlp fp16-mixed ran 1 of 30 steps: {FP16_CAP}" in notes
     assert FAILED_ERR in notes and TIMEOUT_ERR in notes
     assert "against float32 of the same framework, workload and seed" in notes
-    assert "at most 5% above fp32" in notes and "at most 0.02 below" in notes
+    assert "a train loss may be at most 5% above fp32" in notes and "digits 0.02" in notes
     assert "tensorflow mlp bf16-mixed: no float32 baseline" in notes
-    for name in ("speedup.png", "loss_curves.png", "loss_scale.png"):
+    for name in report.PLOTS:
         assert f"]({name})" in md
+    assert md.index("## Verdict") < md.index("](speedup.png)") < md.index("## Settings")
 
 
 def test_plots_are_valid_pngs_of_plausible_size(written):
     import matplotlib.image
 
     out, paths = written
-    assert [p.rsplit("/", 1)[-1] for p in paths["plots"]] == [
-        "speedup.png",
-        "loss_curves.png",
-        "loss_scale.png",
-    ]
+    assert [p.rsplit("/", 1)[-1] for p in paths["plots"]] == list(report.PLOTS)
     for path in paths["plots"]:
         with open(path, "rb") as f:
             assert f.read(8) == PNG_SIGNATURE
@@ -357,10 +361,10 @@ def test_plot_axes_scales_and_labels():
     import matplotlib
 
     rows = summarize(synthetic_cases())
-    with matplotlib.rc_context(report._RC):
-        speed = report._speedup_figure(rows)
-        scale = report._scale_figure(rows, synthetic_cases())
-        none = report._scale_figure(
+    with matplotlib.rc_context(plots.RC):
+        speed = plots.speedup_figure(rows)
+        scale = curves.scale_figure(rows, synthetic_cases())
+        none = curves.scale_figure(
             summarize([make_case("jax", "mlp", "float32")]), [make_case("jax", "mlp", "float32")]
         )
     assert [ax.get_title() for ax in speed.axes] == ["mlp", "charlm", "digits"]

@@ -159,6 +159,7 @@ def test_digits_target_is_reached_by_float32_within_its_step_cap_but_not_at_once
 def test_a_trainer_lacking_a_member_is_not_a_trainer():
     class Partial:
         wl = mp = last = None
+        inference_form = "test"
 
         def __init__(self, wl, policy): ...
         def step(self, i): return 0.0  # fmt: skip

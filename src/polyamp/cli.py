@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--mxnet-python", metavar="PATH", help="the Python of MXNet's environment (default: "
                    "$POLYAMP_MXNET_PYTHON, else the project's .venv-mxnet)")  # fmt: skip
+    p.add_argument("--converge", action="store_true", help="train each case to its workload's target "
+                   "over several seeds instead: steps to target and final metric, mean ± sd, a parity "
+                   "test; writes convergence.json, .md, .png (default: digits and charlm)")  # fmt: skip
+    p.add_argument("--seeds", type=int, help="with --converge: seeds per case (default 3)")
+    p.add_argument("--converge-budget", type=_seconds, metavar="SECONDS", help="with --converge: seconds "
+                   "per run before it is capped and not counted (default 300; --budget and --timeout "
+                   "are the default run's)")  # fmt: skip
 
     args = parser.parse_args(_cast_values_last(sys.argv[1:] if argv is None else list(argv)))
     try:

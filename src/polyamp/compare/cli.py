@@ -8,6 +8,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
+from ..errors import PolyampError
 from . import runner
 
 
@@ -19,10 +20,16 @@ def compare(args) -> int:
     """Run the cases ``args`` name and write the report; 0, or 1 when a case failed or timed out.
 
     An ``unsupported`` case (the framework refuses the request on this machine) is reported, not a crash.
+    With ``--converge``: :func:`converge`.
     """
-    runner.check_options(args.steps, args.budget, args.timeout)
     if getattr(args, "mxnet_python", None):
         os.environ["POLYAMP_MXNET_PYTHON"] = args.mxnet_python  # mxnet_python() checks that it exists
+    if getattr(args, "converge", False):
+        return converge(args)
+    for option in ("seeds", "converge_budget"):
+        if getattr(args, option, None) is not None:
+            raise PolyampError(f"--{option.replace('_', '-')} applies to --converge only; got it without")
+    runner.check_options(args.steps, args.budget, args.timeout)
     cases = runner.plan(_split(args.frameworks), _split(args.workloads), _split(args.policies))
     started = time.perf_counter()
     records = _run_with_progress(cases, args)
@@ -87,3 +94,81 @@ def _run_with_progress(cases, args):
                 bar.advance(task)
 
         return runner.run(cases, progress=show, **kwargs)
+
+
+def converge(args) -> int:
+    """``--converge``: every (framework, workload, policy) over ``--seeds`` seeds to its target
+    (``converge.py``), summarized with the parity test (``convergence.py``); 0, or 1 when a run crashed."""
+    from . import convergence
+    from .converge import DEFAULT_BUDGET_S, DEFAULT_SEEDS, make_plan, slots
+
+    seeds = DEFAULT_SEEDS if args.seeds is None else args.seeds
+    budget = DEFAULT_BUDGET_S if args.converge_budget is None else args.converge_budget
+    plan = make_plan(_split(args.frameworks), _split(args.workloads), _split(args.policies), seeds, budget,
+                     args.quick, args.steps)  # fmt: skip
+    started = time.perf_counter()
+    jobs, threads = slots(plan)
+    runs = _converge_with_progress(plan, jobs)
+    settings = convergence.Settings(
+        plan=plan, every={w: plan.every(w) for w in plan.workloads},
+        steps={w: plan.steps_for(w) for w in plan.workloads}, jobs=jobs,
+        threads_per_job=threads,
+        date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=_command(),
+        machine=runner.machine(), wall_s=round(time.perf_counter() - started, 1),
+    )  # fmt: skip
+    summaries = convergence.summarize(runs)
+    paths = convergence.write(settings, runs, summaries, args.out)
+    if args.json:
+        print(paths["json"].read_text(encoding="utf-8"))
+    else:
+        print(convergence.terminal_table(summaries))
+        print(f"\n{len(runs)} runs in {settings.wall_s:.0f} s. Report: {paths['markdown']}, "
+              f"figure: {paths['figure']}")  # fmt: skip
+    for name in sorted({r.framework for r in runs if r.status == runner.NOT_INSTALLED}):
+        how = runner.HOW_TO_INSTALL[name]
+        print(f"polyamp compare: {name} is not installed here: {how}", file=sys.stderr)
+    crashed = [r for r in runs if r.status in runner.CRASHED]
+    if not crashed:
+        return 0
+    print(f"polyamp compare: {len(crashed)} of {len(runs)} runs crashed:", file=sys.stderr)
+    for r in crashed:
+        error = " ".join(str(r.error).split())
+        error = error if len(error) <= 300 else error[:299] + "…"  # convergence.md has the whole text
+        print(f"  {r.framework} {r.workload} {r.policy} seed {r.seed}: {r.status}: {error}", file=sys.stderr)
+    return 1
+
+
+def _command() -> str | None:
+    return "polyamp " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else None
+
+
+def _converge_with_progress(plan, jobs: int):
+    from .converge import run_all
+
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+
+        def show(run, done):
+            if not done:
+                print(f"{run.framework} {run.workload} {run.policy} seed {run.seed} ...", file=sys.stderr,
+                      flush=True)  # fmt: skip
+
+        return run_all(plan, progress=show, jobs=jobs)
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn()]  # fmt: skip
+    active: dict = {}
+    with Progress(*columns, console=Console(stderr=True)) as bar:
+        task = bar.add_task("converge", total=len(plan.runs()))
+
+        def show(run, done):
+            key = (run.framework, run.policy)
+            if done:
+                active.pop(key, None)
+                bar.advance(task)
+            else:
+                active[key] = f"{run.framework} {run.workload} {run.policy} s{run.seed}"
+            bar.update(task, description=" | ".join(active.values()) or "converge")
+
+        return run_all(plan, progress=show, jobs=jobs)

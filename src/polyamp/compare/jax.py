@@ -154,6 +154,12 @@ class Trainer(TrainerBase):
             self._cast = (self.params, jax.block_until_ready(cast_tree(self.params, self._low)))
         return self._cast[1]
 
+    @property
+    def inference_form(self) -> str:
+        if self._low is None:
+            return "jitted forward on the float32 weights"
+        return f"jitted autocast forward on the weights cast once to {self._low} (jmp's idiom)"
+
     def infer(self, x: np.ndarray) -> np.ndarray:
         """The autocast network on weights stored in the compute dtype (float32 policy: as trained)."""
         return np.asarray(self._forward(self._inference_params(), _array(x)), np.float32)
@@ -181,21 +187,23 @@ class Trainer(TrainerBase):
 
     def _saved(self) -> Saved:
         """The residuals of ``jax.vjp`` of the autocast loss on batch 0, each array counted once;
-        a residual equal to a parameter is that parameter, one equal to its cast a weight copy."""
+        a residual equal to a parameter is that parameter, one equal to its cast a weight copy. The
+        vjp runs under ``jax.jit`` (its residuals are the jitted function's outputs): the same
+        residuals as eager, without compiling every eager op (3.5 s vs 0.65 s on full charlm)."""
         x, y = inputs(self.wl, *self.wl.batch_at(0))
-        _, vjp = jax.vjp(lambda p: self._loss(p, x, y), self.params)
+        vjp = jax.jit(lambda params: jax.vjp(lambda p: self._loss(p, x, y), params)[1])(self.params)
         by_shape: dict[tuple, list] = {}
         for a in jax.tree.leaves(self.params):
             by_shape.setdefault(a.shape, []).append(a)
         activations = copies = 0
         for r in {id(r): r for r in jax.tree.leaves(vjp)}.values():
-            same = [p for p in by_shape.get(r.shape, []) if p is r or bool(jnp.all(p.astype(r.dtype) == r))]
+            same = [p for p in by_shape.get(r.shape, []) if bool(jnp.all(p.astype(r.dtype) == r))]
             if not same:
                 activations += r.nbytes
             elif r.dtype != same[0].dtype:
                 copies += r.nbytes
-        how = "residuals of jax.vjp of the autocast loss (eager), parameters excluded, their casts counted"
-        return Saved(activations, copies, how + " as weight copies")
+        how = "residuals of jax.vjp of the autocast loss (under jit), parameters excluded, their casts"
+        return Saved(activations, copies, how + " counted as weight copies")
 
 
 def versions() -> dict[str, str]:

@@ -3,10 +3,11 @@
 contrib.amp patches MXNet's operators for a whole process in one dtype, so each MXNet policy gets
 its own ``worker --serve`` process. This process sends ``step`` to one at a time while the others
 wait idle on their pipe, so the rounds interleave in time as they do in one process, and
-``worker.pair_group`` pairs them the same way. What differs from in-process pairing, and is
-labelled ``LOCKSTEP`` in the records: the policies run in separate processes (their own caches,
-allocators and thread pools). A process that dies or passes the timeout (per command) costs its
-policy's case in the current group; the next group starts a fresh one.
+``worker.pair_group`` pairs them the same way, their inference calls too. What differs from
+in-process pairing, and is labelled ``LOCKSTEP`` in the records: the policies run in separate
+processes (their own caches, allocators and thread pools). A process that dies or passes the
+timeout (per command) costs its policy's case in the current group; the next group starts a fresh
+one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .timing import LOCKSTEP, CaseError
-from .worker import pair_group, pair_groups
+from .worker import NOT_MEASURED, pair_group, pair_groups
 from .workloads import get_workload
 
 
@@ -84,6 +85,18 @@ class RemoteRun:
     def result(self, evaluate: bool) -> dict:
         return self.served.call(self.timeout, op="result", evaluate=evaluate)
 
+    def memory(self) -> dict:
+        return self.served.call(self.timeout, op="memory")
+
+    def inference_info(self) -> dict:
+        return self.served.call(self.timeout, op="inference_info")
+
+    def infer(self, k: int) -> float:
+        return self.served.call(self.timeout, op="infer", k=k)["seconds"]
+
+    def infer_eval(self) -> dict:
+        return self.served.call(self.timeout, op="infer_eval")
+
 
 class Pool:
     """The persistent process of each policy, started afresh when it is not alive."""
@@ -105,7 +118,8 @@ class Pool:
 
 
 def run_lockstep(cases: list, python: str, env: dict, tmp: Path, quick: bool, steps, budget: float,
-                 timeout: float, notify: Callable, roofline: bool = False) -> dict | None:  # fmt: skip
+                 timeout: float, notify: Callable, roofline: bool = False,
+                 infer_budget: float | None = None) -> dict | None:  # fmt: skip
     """Run ``cases`` (one framework) in pair groups, one process per policy kept across groups;
     ``notify(k, None)`` as case k starts and ``notify(k, record)`` as it ends. Returns the roofline
     measured in the first process (before it built anything) when ``roofline``."""
@@ -118,14 +132,15 @@ def run_lockstep(cases: list, python: str, env: dict, tmp: Path, quick: bool, st
                 notify(k, None)
             if roofline and measured is None:
                 measured = _roofline(pool.get(cases[group[0]][2]), framework, quick, timeout)
-            for k, record in _group(pool, cases, group, quick, steps, budget, timeout):
+            for k, record in _group(pool, cases, group, quick, steps, budget, timeout, infer_budget):
                 notify(k, record)
     finally:
         pool.close()
     return measured
 
 
-def _group(pool: Pool, cases: list, group: list[int], quick: bool, steps, budget: float, timeout: float):
+def _group(pool: Pool, cases: list, group: list[int], quick: bool, steps, budget: float, timeout: float,
+           infer_budget: float | None = None):  # fmt: skip
     """The (index, record) of each case of one pair group."""
     framework, workload = cases[group[0]][:2]
     policies = [cases[k][2] for k in group]
@@ -139,13 +154,14 @@ def _group(pool: Pool, cases: list, group: list[int], quick: bool, steps, budget
             built = proc.call(timeout, op="build", framework=framework, workload=workload, policy=policy,
                               quick=quick, steps=steps, seed=0)  # fmt: skip
         except CaseError as err:
-            fields[policy] = {"status": err.status, "error": err.error, "traceback": err.remote_traceback}
+            fields[policy] = {"status": err.status, "error": err.error, "traceback": err.remote_traceback,
+                              **NOT_MEASURED}  # fmt: skip
             continue
         versions = built["versions"]
         info[policy].update(versions=versions, framework_version=versions.get(framework))
         runs[policy] = RemoteRun(proc, timeout)
     requested = get_workload(workload, quick=quick, steps=steps).steps
-    fields.update(pair_group(runs, requested, budget, quick, LOCKSTEP))
+    fields.update(pair_group(runs, requested, budget, quick, LOCKSTEP, infer_budget))
     wall = time.perf_counter() - start
     for k, policy in zip(group, policies):
         record = {"framework": framework, "workload": workload, "policy": policy, "seed": 0,

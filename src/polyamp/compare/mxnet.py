@@ -247,8 +247,18 @@ class Trainer(TrainerBase):
         self.last = self.mp.step(self.trainer, batch_size=1)  # the loss is already a mean
         return float(loss.asscalar())
 
+    @property
+    def inference_form(self) -> str:
+        dtype = self.mp.policy.compute_dtype
+        if dtype == "float32":
+            return "hybridized Gluon network outside autograd.record, float32"
+        return (f"hybridized Gluon network outside autograd.record under contrib.amp.init({dtype}): "
+                "float32 weights, amp_cast per call")  # fmt: skip
+
     def forward(self, x: np.ndarray) -> np.ndarray:
-        """The hybridized network under the process's AMP (also ``infer``: AMP is MXNet's inference form)."""
+        """The hybridized network under the process's AMP (also ``infer``: AMP is MXNet's inference form;
+        ``amp.convert_hybrid_block`` of the trained network, tried here, kept float32 weights and ran
+        no faster)."""
         return self._outputs(x).asnumpy()
 
     # -- memory probes ---------------------------------------------------------------------------

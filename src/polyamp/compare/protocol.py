@@ -61,6 +61,10 @@ class Trainer(Protocol):
     mp: Any  # the framework's polyamp.MixedPrecision: worker.py reads mp.current_scale
     last: StepResult | None  # what the latest step did (stepped or skipped, the scale); None before one
 
+    @property
+    def inference_form(self) -> str:
+        """How ``infer`` runs the network, in words (its context, compute dtype, weights' dtype)."""
+
     def __init__(self, wl: Workload, policy: str) -> None: ...
 
     def step(self, i: int) -> float:

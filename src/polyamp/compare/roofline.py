@@ -3,7 +3,9 @@
 ``measure``: for float32, bfloat16 and float16, n x n products starting at n = 512 grow n by half
 (a multiple of 64) while one product takes under ``target_s`` and n stays within 1536 (big enough
 to be compute-bound for a fast dtype, small enough for a slow one such as torch's float16 on a CPU
-without fp16 units); the peak is 2 n^3 over the median of ``repeats`` timed products at the last n.
+without fp16 units), then ``repeats`` more products at the last n; the peak is the best 2 n^3 / t
+of all these timed products (a peak: the machine can reach it, so a case's share is not inflated
+by a probe that ran slow once).
 Each product is forced to finish before its clock stops. A dtype the framework refuses is recorded
 with its error.
 
@@ -13,7 +15,6 @@ step time, and its share is that over the peak of its policy's compute dtype.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -92,7 +93,7 @@ def _seconds(fn: Callable[[], object]) -> float:
 def measure(framework: str, quick: bool = False) -> Roofline:
     """The framework's matmul GFLOP/s per dtype (see the module docstring); ``quick`` is a smoke
     check: n from 128 to 256, 3 timed products."""
-    target_s, n, n_max, repeats = (0.005, 128, 256, 3) if quick else (0.03, 512, 1536, 3)
+    target_s, n, n_max, repeats = (0.005, 128, 256, 3) if quick else (0.03, 512, 1536, 5)
     make = PRODUCTS[framework]
     out = Roofline(framework)
     for dtype in DTYPES:
@@ -100,17 +101,23 @@ def measure(framework: str, quick: bool = False) -> Roofline:
         try:
             fn = make(dtype, size)
             fn()  # a first call pays for allocation and dispatch
-            while _seconds(fn) < target_s and size < n_max:
+            rates = {}  # GFLOP/s of each timed product -> its n
+            while True:
+                seconds = _seconds(fn)
+                rates[2 * size**3 / seconds / 1e9] = size
+                if seconds >= target_s or size >= n_max:
+                    break
                 size = min(int(size * 1.5) // 64 * 64, n_max)
                 fn = make(dtype, size)
                 fn()
-            seconds = statistics.median(_seconds(fn) for _ in range(repeats))
+            for _ in range(repeats):
+                rates[2 * size**3 / _seconds(fn) / 1e9] = size
         except Exception as err:  # the framework refuses this dtype here; MXNet's last line says why
             last = [line for line in str(err).splitlines() if line.strip()][-1:] or [""]
             out.errors[dtype] = " ".join(f"{type(err).__name__}: {last[0]}".split())[:300]
             continue
-        out.gflops[dtype] = 2 * size**3 / seconds / 1e9
-        out.size[dtype] = size
+        out.gflops[dtype] = max(rates)
+        out.size[dtype] = rates[max(rates)]
     return out
 
 
@@ -125,12 +132,12 @@ def share(policy: str, flops_per_step: int, median_step_s: float, roofline: dict
     return Share(dtype, flops_per_step, achieved, peak, achieved / peak if peak else None, n)
 
 
-def markdown(rows: list[dict]) -> list[str]:
-    """The report's roofline section: each framework's peaks, then each case's share."""
+def markdown(rows: list) -> list[str]:
+    """The report's roofline section from its rows: each framework's peaks, then each case's share."""
     peaks: dict = {}
     for r in rows:
-        if r.get("roofline_peaks"):
-            peaks.setdefault(r["framework"], r["roofline_peaks"])
+        if r.roofline_peaks:
+            peaks.setdefault(r.framework, r.roofline_peaks)
     if not peaks:
         return []
     out = ["## Roofline", "", "Matmul GFLOP/s measured once per framework at the start of the run "
@@ -146,10 +153,10 @@ def markdown(rows: list[dict]) -> list[str]:
     out += ["", "| framework | workload | policy | GFLOP/step | achieved GFLOP/s | share of peak |",
             "|---|---|---|---:|---:|---:|"]  # fmt: skip
     for r in rows:
-        s = r.get("roofline_share")
+        s = r.roofline_share
         if s:
             pct = f"{s['share']:.0%} of {SHORT[s['compute_dtype']]}" if s.get("share") is not None else "n/a"
             gflop = s["flops_per_step"] / 1e9
-            out.append(f"| {r['framework']} | {r['workload']} | {r['policy']} | {gflop:.3g} "
+            out.append(f"| {r.framework} | {r.workload} | {r.policy} | {gflop:.3g} "
                        f"| {s['achieved_gflops']:.3g} | {pct} |")  # fmt: skip
     return out + [""]

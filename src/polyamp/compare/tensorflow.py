@@ -182,6 +182,11 @@ class Trainer(TrainerBase):
         self.last = StepResult(bool(stepped), float(scale))
         return float(loss)
 
+    @property
+    def inference_form(self) -> str:
+        return (f"model(x, training=False) in a tf.function under the Keras dtype policy "
+                f"{self.model.dtype_policy.name}: float32 variables, cast per layer")  # fmt: skip
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         """The model under the policy's Keras dtype policy, ``training=False`` (also ``infer``)."""
         return self._eval(x).numpy()

@@ -139,6 +139,13 @@ class Trainer(TrainerBase):
         with torch.no_grad(), self.mp.autocast():
             return self.model(torch.from_numpy(x)).float().numpy()
 
+    @property
+    def inference_form(self) -> str:
+        dtype = self.mp.policy.compute_dtype
+        if dtype == "float32":
+            return "torch.inference_mode, float32"
+        return f"torch.inference_mode under autocast({dtype}): float32 weights, cast per op"
+
     def infer(self, x: np.ndarray) -> np.ndarray:
         """``torch.inference_mode`` under the policy's autocast (float32 weights, cast per op)."""
         with torch.inference_mode(), self.mp.autocast():

@@ -21,9 +21,21 @@ by earlier cases of the process: ``process_case`` > 0). A case that raises (buil
 evaluating) becomes a record with its error (``unsupported`` when the framework refuses the request
 here); the others go on. ``--roofline FILE`` first measures the framework's matmul peaks into FILE.
 
+After the training rounds, each policy whose training is ``ok`` records ``memory`` (its trainer's
+``memory()``; a probe that raises leaves ``memory`` None and ``memory_error`` its text, never the
+case failed), then the policies' ``infer`` calls are paired in rounds the same way (``inference``):
+call k runs on held-out input k (cycling), timed to its float32 numpy result on the host (MXNet:
+to the end of its queued work); one warm-up call each, never counted against the inference budget
+(``--infer-budget``, default a quarter of ``--budget``, at least 0.5 s: it is mostly tracing or
+compiling the forward pass), at most ``min(steps, INFER_MAX_CALLS)`` calls. A policy whose training
+was not capped is then evaluated through ``infer``. Its ``status`` is that of the inference calls:
+one that raises leaves the training fields as they are.
+
 ``--serve`` (MXNet, whose AMP is process-wide, so each policy has its own process): answers one
-JSON command a line on stdin (``roofline``, ``build``, ``step``, ``result``, ``exit``) with one
-JSON line on stdout; the runner pairs the processes' steps in rounds (``lockstep.py``).
+JSON command a line on stdin (``roofline``, ``build``, ``step``, ``result``, ``memory``,
+``inference_info``, ``infer``, ``infer_eval``, ``exit``) with one JSON line on stdout: what the
+:class:`PolicyRun` method of that name returns; the runner pairs the processes' steps and inference
+calls in rounds (``lockstep.py``).
 """
 
 from __future__ import annotations
@@ -39,11 +51,31 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from numbers import Real
 
+import numpy as np
+
+from ..errors import PolyampError
 from .timing import IN_PROCESS, CaseError, PolicyTimes, paired_ratios, run_rounds
 from .workloads import get_workload
 
 BASELINE = "float32"
+INFER_MAX_CALLS = 50  # inference calls per policy, its warm-up included; the budget usually stops it first
+MIN_INFER_BUDGET = 0.5
+# a record whose training did not succeed: nothing trained to measure
+NOT_MEASURED = {"memory": None, "memory_error": None, "inference": None}
+
+
+def infer_budget_for(budget: float, infer_budget: float | None = None) -> float:
+    """The seconds of inference calls per policy: ``infer_budget``, else a quarter of the training
+    ``budget`` and at least 0.5 s."""
+    if infer_budget is None:
+        return max(MIN_INFER_BUDGET, budget / 4)
+    bad = isinstance(infer_budget, bool) or not isinstance(infer_budget, Real)
+    if bad or not 0 < infer_budget < math.inf:
+        raise PolyampError(f"infer_budget must be a finite number of seconds > 0, or None for a quarter "
+                           f"of the training budget; got {infer_budget!r}")  # fmt: skip
+    return float(infer_budget)
 
 
 def _peak_rss_mb() -> float:
@@ -65,6 +97,8 @@ class PolicyRun:
         self.losses: list[float] = []
         self.scales: list[float] = []
         self.skipped = 0
+        self._memory: dict | None = None  # what memory() measured: inference_info() reads its weights
+        self._heldout: list | None = None  # the held-out inputs infer() cycles through
 
     def step(self, i: int) -> float:
         """Run step ``i``; returns its seconds."""
@@ -92,6 +126,42 @@ class PolicyRun:
             "peak_rss_mb": _peak_rss_mb(),
         }
 
+    def memory(self) -> dict:
+        """The ``memory`` and ``memory_error`` fields: the trainer's ``memory()``, or None and why."""
+        try:
+            self._memory = dict(self.trainer.memory())
+        except Exception as err:
+            return {"memory": None, "memory_error": f"{type(err).__name__}: {err}"}
+        return {"memory": self._memory, "memory_error": None}
+
+    def _inputs(self) -> list:
+        if self._heldout is None:
+            self._heldout = [x for x, _ in self.trainer.wl.heldout()]
+        return self._heldout
+
+    def inference_info(self) -> dict:
+        """What the inference calls run: the trainer's form, rows per batch, bytes of the weights
+        ``infer`` reads (``memory()``'s ``inference_weights``; None when that probe failed)."""
+        memory = self._memory
+        return {"how": self.trainer.inference_form, "batch": int(len(self._inputs()[0])),
+                "weights_bytes": memory["inference_weights"] if memory else None}  # fmt: skip
+
+    def infer(self, k: int) -> float:
+        """Inference call ``k`` on held-out input ``k`` (cycling); returns its seconds."""
+        inputs = self._inputs()
+        x = inputs[k % len(inputs)]
+        t0 = self.clock()
+        np.asarray(self.trainer.infer(x), np.float32)
+        if self.sync is not None:
+            self.sync()
+        return self.clock() - t0
+
+    def infer_eval(self) -> dict:
+        """The held-out metric of the network as ``infer`` runs it."""
+        value = self.trainer.wl.evaluate(self.trainer.infer)
+        name, higher = self.metric
+        return {"metric": name, "value": value if math.isfinite(value) else None, "higher_is_better": higher}
+
 
 def queued_work_waiter(framework: str) -> Callable[[], object] | None:
     """What waits for the work a framework still runs after a step returned its loss: MXNet's engine
@@ -113,9 +183,11 @@ def timed_fields(times: PolicyTimes) -> dict:
             "median_step_s": statistics.median(step_times) if step_times else None}  # fmt: skip
 
 
-def pair_group(runs: dict, steps: int, budget: float, quick: bool = False, pairing: str = IN_PROCESS) -> dict:
-    """Step ``runs`` (policy -> object with ``step(i) -> seconds`` and ``result(evaluate)``) in rounds;
-    returns each policy's record fields, ``paired`` holding its ratio over float32 (or None)."""
+def pair_group(runs: dict, steps: int, budget: float, quick: bool = False, pairing: str = IN_PROCESS,
+               infer_budget: float | None = None) -> dict:  # fmt: skip
+    """Step ``runs`` (policy -> :class:`PolicyRun`, or one seen from another process) in rounds, then
+    probe the memory of and pair the inference calls of those whose training is ok; returns each
+    policy's record fields, ``paired`` holding its ratio over float32 (or None)."""
     times = run_rounds({p: run.step for p, run in runs.items()}, steps, budget, count_warmup=not quick)
     ratios = paired_ratios(times, BASELINE, pairing)
     out = {}
@@ -132,12 +204,64 @@ def pair_group(runs: dict, steps: int, budget: float, quick: bool = False, pairi
             fields["traceback"] = times[policy].traceback
         ratio = ratios.get(policy)
         fields["paired"] = ratio.to_json() if ratio and fields["status"] == "ok" else None
+        out[policy] = {**fields, **NOT_MEASURED}
+    trained = {p: run for p, run in runs.items() if out[p]["status"] == "ok"}
+    for policy, run in trained.items():
+        try:
+            out[policy].update(run.memory())
+        except CaseError as err:  # the policy's process died or timed out
+            out[policy]["memory_error"] = err.error
+    calls = min(steps, INFER_MAX_CALLS)
+    evaluate = {p: not out[p]["capped"] for p in trained}
+    for policy, inference in infer_group(trained, calls, infer_budget_for(budget, infer_budget), pairing,
+                                         evaluate).items():  # fmt: skip
+        out[policy]["inference"] = inference
+    return out
+
+
+def _call(method: Callable[[], dict]) -> tuple[dict | None, str | None, str | None]:
+    """``method()``, or (None, status, error) when it raised, here or in the policy's process."""
+    try:
+        return method(), None, None
+    except CaseError as err:
+        return None, err.status, err.error
+    except Exception as err:
+        fields = error_fields(err)
+        return None, fields["status"], fields["error"]
+
+
+def infer_group(runs: dict, calls: int, budget: float, pairing: str, evaluate: dict[str, bool]) -> dict:
+    """Each policy's ``inference`` field: its ``infer`` calls paired in rounds with the others' (see the
+    module docstring), its speed-up over float32's, its metric through ``infer`` when ``evaluate``."""
+    info = {p: _call(run.inference_info) for p, run in runs.items()}
+    ready = {p: run for p, run in runs.items() if info[p][0] is not None}
+    times = run_rounds({p: run.infer for p, run in ready.items()}, calls, budget, count_warmup=False)
+    ratios = paired_ratios(times, BASELINE, pairing)
+    out = {}
+    for policy in runs:
+        got, status, error = info[policy]
+        fields = {"status": status, "error": error, "how": None, "batch": None, "step_times": [],
+                  "median_ms": None, "capped": False, "cap_reason": None, "paired": None, "eval": None,
+                  "weights_bytes": None}  # fmt: skip
+        if got is not None:
+            t = times[policy]
+            step_times = t.times or ([t.warmup_s] if t.warmup_s is not None else [])
+            fields.update(got, status=t.status, error=t.error, step_times=step_times,
+                          median_ms=1000 * statistics.median(step_times) if step_times else None,
+                          capped=t.cap_reason is not None, cap_reason=t.cap_reason)  # fmt: skip
+            if t.status == "ok":
+                ratio = ratios.get(policy)
+                fields["paired"] = ratio.to_json() if ratio else None
+                if evaluate[policy]:
+                    fields["eval"], status, error = _call(runs[policy].infer_eval)
+                    if status is not None:
+                        fields.update(status=status, error=error)
         out[policy] = fields
     return out
 
 
 def run_group(framework: str, workload: str, policies: list[str], quick: bool, steps: int | None,
-              budget: float, seed: int = 0) -> list[dict]:  # fmt: skip
+              budget: float, seed: int = 0, infer_budget: float | None = None) -> list[dict]:  # fmt: skip
     """The records of one pair group, in the order of ``policies``."""
     start, load = time.perf_counter(), os.getloadavg()[0]
     common = [{"framework": framework, "workload": workload, "policy": p, "seed": seed} for p in policies]
@@ -146,15 +270,15 @@ def run_group(framework: str, workload: str, policies: list[str], quick: bool, s
         module = importlib.import_module(f"polyamp.compare.{framework}")
         versions = module.versions()
     except Exception as err:
-        return [{**c, **error_fields(err)} for c in common]
+        return [{**c, **error_fields(err), **NOT_MEASURED} for c in common]
     runs, fields = {}, {}
     sync = queued_work_waiter(framework)
     for policy in policies:
         try:
             runs[policy] = PolicyRun(module.Trainer(wl, policy), wl.metric, sync=sync)
         except Exception as err:
-            fields[policy] = error_fields(err)
-    fields.update(pair_group(runs, wl.steps, budget, quick))
+            fields[policy] = {**error_fields(err), **NOT_MEASURED}
+    fields.update(pair_group(runs, wl.steps, budget, quick, infer_budget=infer_budget))
     wall = time.perf_counter() - start
     shared = {"versions": versions, "framework_version": versions[framework], "steps_requested": wl.steps,
               "group_policies": list(policies), "loadavg_1min": [load, os.getloadavg()[0]]}  # fmt: skip
@@ -195,8 +319,17 @@ def serve(commands, reply) -> None:
                 out = {"seconds": run.step(cmd["i"])}
             elif op == "result":
                 out = run.result(cmd["evaluate"])
+            elif op == "memory":
+                out = run.memory()
+            elif op == "inference_info":
+                out = run.inference_info()
+            elif op == "infer":
+                out = {"seconds": run.infer(cmd["k"])}
+            elif op == "infer_eval":
+                out = run.infer_eval()
             else:
-                raise ValueError(f"unknown command {op!r}; accepted: roofline, build, step, result, exit")
+                raise ValueError(f"unknown command {op!r}; accepted: roofline, build, step, result, memory, "
+                                 "inference_info, infer, infer_eval, exit")  # fmt: skip
         except Exception as err:
             out = {"failure": error_fields(err)}
         reply.write(json.dumps(out) + "\n")
@@ -209,10 +342,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--budget", type=float, default=6.0)
+    parser.add_argument("--infer-budget", type=float, default=None,
+                        help="seconds of inference calls per policy (default: a quarter of --budget, >= 0.5)")
     parser.add_argument("--out")
     parser.add_argument("--roofline", metavar="FILE")
     parser.add_argument("--serve", action="store_true")
     args = parser.parse_args(argv)
+    infer_budget_for(args.budget, args.infer_budget)  # refuses a bad --infer-budget before any case
     if args.serve:
         reply = os.fdopen(os.dup(1), "w")
         os.dup2(2, 1)  # what the frameworks print goes to stderr; stdout carries the replies only
@@ -229,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     for group in pair_groups(args.case):
         framework, workload = args.case[group[0]][:2]
         policies = [args.case[i][2] for i in group]
-        for record in run_group(framework, workload, policies, args.quick, args.steps, args.budget):
+        for record in run_group(framework, workload, policies, args.quick, args.steps, args.budget,
+                                infer_budget=args.infer_budget):  # fmt: skip
             record.update(worker_pid=os.getpid(), process_case=index)
             index += 1
             with open(args.out, "a", encoding="utf-8") as f:  # one whole line per case: the runner reads them
