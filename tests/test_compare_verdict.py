@@ -224,3 +224,22 @@ def test_every_plot_draws_memory_inference_and_roofline_data():
     assert inference.axes[0].get_yscale() == "log"
     assert {"2 ms", "1 ms 2.00x", "30 ms 0.067x"} <= {t.get_text() for t in inference.axes[0].texts}
     assert "25%" in [t.get_text() for t in roofline.axes[0].texts]
+
+
+def test_the_half_the_memory_claim_is_stated_from_the_measured_ratios():
+    sentences = verdicts.build(summarize(digits_cases())).sentences
+    assert (
+        "Half the memory? Under bf16, the activations saved for backward are torch 0.50x of float32's (over "
+        "the workloads); with the low-precision weight copies saved beside them, 0.70x; parameters, "
+        "gradients, float32 masters and optimizer state 1.00x." in sentences
+    )
+
+
+def test_a_peak_close_to_float32s_explains_nothing():
+    rows = summarize(digits_cases())
+    near = {"gflops": {"float32": 200.0, "float16": 190.0}, "errors": {}}
+    far = {"gflops": {"float32": 200.0, "float16": 150.0}, "errors": {}}
+    for peaks, explained in ((near, False), (far, True)):
+        for row in rows:
+            row.roofline_peaks = peaks
+        assert ("matmul peak" in verdicts._peak_note(rows, "fp16-mixed")) is explained

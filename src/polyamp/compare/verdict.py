@@ -24,6 +24,7 @@ from . import text as fmt
 from .rows import BASELINE_POLICY, Row, finite, num
 
 NOT_INSTALLED = "not installed"
+SLOW_PEAK = 0.8  # a dtype whose matmul peak is below this share of float32's explains a slow policy
 
 
 @dataclass
@@ -141,7 +142,7 @@ def _peak_note(rows: list[Row], policy: str) -> str:
     if not dtype or not peaks:
         return ""
     gf = peaks.get("gflops", {})
-    if dtype in gf and "float32" in gf and gf[dtype] < gf["float32"]:
+    if dtype in gf and "float32" in gf and gf[dtype] < SLOW_PEAK * gf["float32"]:
         return (f"; its {SHORT[dtype]} matmul peak here is {gf[dtype]:.0f} GFLOP/s against "
                 f"{gf['float32']:.0f} for fp32")  # fmt: skip
     if dtype in peaks.get("errors", {}):
@@ -214,6 +215,36 @@ def _speed_sentence(r: Row) -> str:
     return out + "."
 
 
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{num(lo)}x" if num(lo) == num(hi) else f"{num(lo)}-{num(hi)}x"
+
+
+def _memory_sentences(rows: list[Row]) -> list[str]:
+    """Per mixed policy: the range over frameworks and workloads of activations saved for backward
+    and of model state, over float32's: the "half the memory" claim, confirmed or refuted."""
+    out = []
+    for policy in _ordered(r.policy for r in rows if not r.is_baseline):
+        mine = [r for r in rows if r.policy == policy and r.ok]
+        parts = []
+        for fw in _ordered(r.framework for r in mine):
+            acts = [r.memory.ratios["activations"] for r in mine
+                    if r.framework == fw and finite(r.memory.ratios.get("activations"))]  # fmt: skip
+            if acts:
+                parts.append(f"{fw} {_span(acts)}")
+        saved = [r.memory.ratios["saved"] for r in mine if finite(r.memory.ratios.get("saved"))]
+        states = [r.memory.ratios["state"] for r in mine if finite(r.memory.ratios.get("state"))]
+        if parts:
+            line = (f"Half the memory? Under {fmt.short(policy)}, the activations saved for backward are "
+                    f"{', '.join(parts)} of float32's (over the workloads)")  # fmt: skip
+            if saved:
+                line += f"; with the low-precision weight copies saved beside them, {_span(saved)}"
+            if states:
+                line += f"; parameters, gradients, float32 masters and optimizer state {_span(states)}"
+            out.append(line + ".")
+    return out
+
+
 def _sentences(verdict: Verdict, rows: list[Row]) -> list[str]:
     if verdict.smoke:
         return ["Smoke check (--quick): tiny models and a few steps; no speed verdict. Run without --quick."]
@@ -236,6 +267,7 @@ def _sentences(verdict: Verdict, rows: list[Row]) -> list[str]:
             top = max(mixed, key=lambda r: r.speedup, default=None)
             if top is not None:
                 out.append(_speed_sentence(top))
+    out += _memory_sentences(rows)
     for c in verdict.compatibility:
         if c.verdict in ("slower than fp32", "unsupported", "outside tolerance"):
             out.append(f"{fmt.short(c.policy)} on {c.framework} is {c.verdict}: {c.reason}.")
