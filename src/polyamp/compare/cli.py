@@ -37,7 +37,7 @@ def compare(args) -> int:
 
     settings = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": "polyamp " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("polyamp") else None,
+        "command": _command(),
         "quick": args.quick,
         "steps": args.steps,
         "budget_s": args.budget,
@@ -139,6 +139,7 @@ def converge(args) -> int:
 
 
 def _command() -> str | None:
+    """The command line, when this process is ``polyamp compare`` (or ``python -m polyamp compare``)."""
     return "polyamp " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else None
 
 

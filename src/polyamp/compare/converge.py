@@ -51,8 +51,8 @@ QUICK_STEPS = 40  # a smoke run: tiny sizes, this many steps
 PROJECT_AFTER = 5
 PROJECT_MARGIN = 1.5
 OK, CAPPED = "ok", "capped"
-# core-seconds of one full-size charlm run, measured here (CPU time of 12 steps and 2 evaluations,
-# one thread; JAX uses two): for ordering the jobs only
+# core-seconds of one full-size charlm run of 400 steps, measured here (CPU time of 12 steps and 2
+# evaluations, one thread; JAX uses two): their proportions order the jobs, nothing else
 _COST = {("torch", "float32"): 115, ("torch", "bf16-mixed"): 75, ("torch", "fp16-mixed"): 35,
          ("jax", "float32"): 170, ("jax", "bf16-mixed"): 96, ("jax", "fp16-mixed"): 164,
          ("tensorflow", "float32"): 111, ("tensorflow", "bf16-mixed"): 80, ("tensorflow", "fp16-mixed"): 133,

@@ -141,7 +141,7 @@ def markdown(rows: list) -> list[str]:
     if not peaks:
         return []
     out = ["## Roofline", "", "Matmul GFLOP/s measured once per framework at the start of the run "
-           "(n x n products, median of several; n in parentheses). A case's share is its model FLOPs per "
+           "(n x n products, the best of every timed one; n in parentheses). A case's share is its model FLOPs per "
            "step (matrix products only) over its median step time, over the peak of its compute dtype; "
            "above 100%, the case's products ran faster than that dtype's square product (another dtype "
            "or a faster kernel for their shapes).", ""]
