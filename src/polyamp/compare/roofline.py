@@ -141,10 +141,10 @@ def markdown(rows: list) -> list[str]:
     if not peaks:
         return []
     out = ["## Roofline", "", "Matmul GFLOP/s measured once per framework at the start of the run "
-           "(n x n products, the best of every timed one; n in parentheses). A case's share is its model FLOPs per "
-           "step (matrix products only) over its median step time, over the peak of its compute dtype; "
-           "above 100%, the case's products ran faster than that dtype's square product (another dtype "
-           "or a faster kernel for their shapes).", ""]
+           "(n x n products, the best of every timed one; n in parentheses). A case's share is its model "
+           "FLOPs per step (matrix products only) over its median step time, over the peak of its compute "
+           "dtype; above 100%, the case's products ran faster than that dtype's square product (another "
+           "dtype or a faster kernel for their shapes).", ""]
     out += ["| framework | " + " | ".join(SHORT[d] for d in DTYPES) + " |", "|---" * (len(DTYPES) + 1) + "|"]
     for fw, peak in peaks.items():
         cells = [f"{peak['gflops'][d]:.0f} (n={peak['size'][d]})" if d in peak["gflops"]
