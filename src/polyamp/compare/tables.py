@@ -42,7 +42,8 @@ def caption(rows: list[Row]) -> str:
         "at the last step both ran; Δeval only when both were evaluated after the same number of steps. "
         f"Parity: a train loss may be at most {LOSS_TOLERANCE:.0%} above fp32 (relative), a held-out loss "
         "at most its workload's tolerance above it (relative), an accuracy at most its tolerance below it "
-        f"(absolute){' (' + eval_tol + ')' if eval_tol else ''}."
+        f"(absolute){' (' + eval_tol + ')' if eval_tol else ''}. This parity is a smoke check (one seed, "
+        "a few steps); polyamp compare --converge decides it over seeds."
     )
 
 

@@ -298,7 +298,8 @@ def build(rows: list[Row], smoke: bool = False) -> Verdict:
 
 def markdown(verdict: Verdict) -> list[str]:
     """The report's first section."""
-    out = ["## Verdict", ""]
+    out = ["## Verdict", "", "Parity here is a smoke check (one seed, a few steps); "
+           "`polyamp compare --converge` decides it over seeds, training to each workload's target.", ""]
     out += [f"- {s}" for s in verdict.sentences] + [""]
     if not verdict.smoke:
         for wl, bests in verdict.best.items():
