@@ -243,3 +243,23 @@ def test_a_peak_close_to_float32s_explains_nothing():
         for row in rows:
             row.roofline_peaks = peaks
         assert ("matmul peak" in verdicts._peak_note(rows, "fp16-mixed")) is explained
+
+
+def test_a_policy_faster_on_some_workloads_and_slower_on_others_works_with_a_caveat():
+    cases = digits_cases()[:2]
+    base = make_case("torch", "mlp", "float32", step_s=0.2)
+    fast = paired(make_case("torch", "mlp", "bf16-mixed", step_s=0.1), 2.0)
+    cases[1] = paired(cases[1], 0.8, [0.75, 0.85])  # digits bf16 now slower
+    v = verdicts.build(summarize(cases + [base, fast]))
+    (cell,) = [c for c in v.compatibility if c.policy == "bf16-mixed"]
+    assert (cell.verdict, cell.reason) == ("works, slower on digits", "0.80x on digits (but 2.00x on mlp)")
+    assert "bf16 on torch is slower than fp32 on some workloads: 0.80x on digits (but 2.00x on mlp)." in (
+        v.sentences
+    )
+
+
+def test_the_default_runs_parity_is_labelled_a_smoke_check(tmp_path):
+    md = open(write_report(digits_cases(), {}, tmp_path)["markdown"], encoding="utf-8").read()
+    verdict = md.split("## Verdict", 1)[1].split("###", 1)[0]
+    assert "Parity here is a smoke check (one seed, a few steps); `polyamp compare --converge`" in verdict
+    assert "This parity is a smoke check (one seed, a few steps)" in md.split("## Notes", 1)[1]

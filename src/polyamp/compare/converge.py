@@ -324,8 +324,8 @@ def _process(python: str, plan: Plan, runs: list[Run], env: dict, timeout_s: flo
         try:
             while done < len(runs):
                 exited = proc.poll() is not None
-                for line in _lines(out)[done:]:
-                    runs[done].__dict__.update(vars(Run.from_json(json.loads(line))))
+                for record in runner.read_records(out)[done:]:
+                    runs[done].__dict__.update(vars(Run.from_json(record)))
                     notify(runs[done], True)
                     done, since = done + 1, time.perf_counter()
                     if done < len(runs):
@@ -347,15 +347,6 @@ def _process(python: str, plan: Plan, runs: list[Run], env: dict, timeout_s: flo
                 proc.kill()
             proc.wait()
     return done
-
-
-def _lines(path: Path) -> list[str]:
-    """The complete lines of a worker's output (a line being written is left for later)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    return [line for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
 if __name__ == "__main__":

@@ -275,7 +275,7 @@ def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable
         try:
             while done < len(cases):
                 exited = proc.poll() is not None
-                for record in _read_records(out)[done:]:
+                for record in read_records(out)[done:]:
                     record.setdefault("wall_s", time.perf_counter() - start)
                     notify(done, record)
                     done += 1
@@ -314,7 +314,7 @@ def _read_roofline(path: Path | None) -> dict | None:
         return None
 
 
-def _read_records(path: Path) -> list[dict]:
+def read_records(path: Path) -> list[dict]:
     """The complete lines of the worker's JSON-lines file (a line being written is left for later)."""
     try:
         text = path.read_text(encoding="utf-8")

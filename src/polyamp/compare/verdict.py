@@ -8,8 +8,9 @@ Built from the rows only (no framework), in four parts:
 - ``best_vs_best``: per workload, the fastest mixed configuration anywhere against the fastest
   float32 anywhere, for training steps and for inference (different processes, so unpaired: a
   ratio of medians);
-- ``compatibility``: framework x policy over the workloads: ``works``, ``slower than fp32``,
-  ``outside tolerance``, ``unsupported``, ``failed`` or ``not installed``, each with a one-line reason
+- ``compatibility``: framework x policy over the workloads: ``works``, ``works, slower on <workloads>``,
+  ``slower than fp32`` (on every workload), ``outside tolerance``, ``unsupported``, ``failed`` or
+  ``not installed``, each with a one-line reason
   drawn from the numbers (for a slow dtype, the framework's measured matmul peak of it);
 - ``sentences``: plain statements generated from the same numbers, to quote.
 
@@ -177,9 +178,10 @@ def _compat(framework: str, policy: str, rows: list[Row]) -> Compat:
     faster = [r for r in rows if r.ok and finite(r.speedup) and not r.slower]
     if slower:
         reason = where(slower, lambda r: fmt.times(r.speedup))
-        if faster:
-            reason += f" (but {where(faster, lambda r: fmt.times(r.speedup))})"
-        return Compat(framework, policy, "slower than fp32", reason + _peak_note(rows, policy))
+        if not faster:
+            return Compat(framework, policy, "slower than fp32", reason + _peak_note(rows, policy))
+        reason += f" (but {where(faster, lambda r: fmt.times(r.speedup))})"
+        return Compat(framework, policy, f"works, slower on {', '.join(r.workload for r in slower)}", reason)
     if faster:
         return Compat(framework, policy, "works", where(faster, lambda r: fmt.times(r.speedup)))
     return Compat(framework, policy, "works", "ran; no float32 timing to compare with")
@@ -269,7 +271,10 @@ def _sentences(verdict: Verdict, rows: list[Row]) -> list[str]:
                 out.append(_speed_sentence(top))
     out += _memory_sentences(rows)
     for c in verdict.compatibility:
-        if c.verdict in ("slower than fp32", "unsupported", "outside tolerance"):
+        if c.verdict.startswith("works, slower"):
+            out.append(f"{fmt.short(c.policy)} on {c.framework} is slower than fp32 on some workloads: "
+                       f"{c.reason}.")
+        elif c.verdict in ("slower than fp32", "unsupported", "outside tolerance"):
             out.append(f"{fmt.short(c.policy)} on {c.framework} is {c.verdict}: {c.reason}.")
     return out
 
