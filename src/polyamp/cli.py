@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=_seconds, default=6.0, help="seconds of training per case before capping "
                    "(with --quick only the timed steps count; before 5 paired rounds a case may spend 3 "
                    "budgets; a capped case never caps its float32 baseline)")  # fmt: skip
+    p.add_argument("--infer-budget", type=_seconds, default=None, help="seconds of inference calls per "
+                   "policy (default: a quarter of --budget, at least 0.5)")  # fmt: skip
     p.add_argument("--timeout", type=_seconds, default=300.0, help="seconds before a case is abandoned")
     p.add_argument("--out", default="compare-report", help="output folder (default: compare-report)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -41,6 +41,7 @@ def compare(args) -> int:
         "quick": args.quick,
         "steps": args.steps,
         "budget_s": args.budget,
+        "infer_budget_s": getattr(args, "infer_budget", None),
         "timeout_s": args.timeout,
         "machine": runner.machine(),
         "total_s": round(time.perf_counter() - started, 1),
@@ -70,7 +71,8 @@ def compare(args) -> int:
 
 
 def _run_with_progress(cases, args):
-    kwargs = dict(quick=args.quick, steps=args.steps, budget=args.budget, timeout=args.timeout)
+    kwargs = dict(quick=args.quick, steps=args.steps, budget=args.budget, timeout=args.timeout,
+                  infer_budget=getattr(args, "infer_budget", None))
     try:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     except ImportError:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..errors import PolyampError
 from .lockstep import run_lockstep
-from .worker import BASELINE, pair_groups
+from .worker import BASELINE, infer_budget_for, pair_groups
 from .workloads import WORKLOADS, check_steps, get_workload
 
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
@@ -125,7 +125,8 @@ def check_options(steps=None, budget: float = 6.0, timeout: float = 300.0) -> No
 
 
 def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Callable | None = None,
-        reuse: bool | None = None, jobs: int | None = None) -> list[dict]:  # fmt: skip
+        reuse: bool | None = None, jobs: int | None = None,
+        infer_budget: float | None = None) -> list[dict]:  # fmt: skip
     """Run every case; returns their records in the order of ``cases``.
 
     The cases of one (framework, workload) are a pair group (``worker.py``): their policies step in
@@ -139,8 +140,11 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
     A process that crashes or runs past ``timeout`` per case costs the group it was on: the groups
     after it get a new process. ``progress(i, case, record)`` is called with ``record=None`` as a
     case's group starts and with its record when it ends; ``i`` counts the cases finished before.
+    ``infer_budget``: seconds of inference calls per policy (default: the worker's, a quarter of
+    ``budget``).
     """
     check_options(steps, budget, timeout)
+    infer_budget_for(budget, infer_budget)  # refuses a bad one before any case starts
     cases = [tuple(case) for case in cases]
     for case in cases:
         if len(case) != 3:
@@ -172,7 +176,7 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
             if framework in _AMP_PER_PROCESS:
                 measured = run_lockstep([cases[i] for i in job], interpreter(framework), _env(), Path(tmp),
                                         quick, steps, budget, timeout, lambda k, r: notify(job[k], r),
-                                        roofline)  # fmt: skip
+                                        roofline, infer_budget)  # fmt: skip
             else:
                 measured = _run_processes(job, roofline, Path(tmp))
         if measured:
@@ -183,7 +187,8 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
         while job:
             path = tmp / "roofline.json" if roofline and not measured else None
             done, roof = _run_in_process([cases[i] for i in job], quick, steps, budget, timeout,
-                                         lambda k, record, job=job: notify(job[k], record), path)  # fmt: skip
+                                         lambda k, record, job=job: notify(job[k], record), path,
+                                         infer_budget)  # fmt: skip
             measured = measured or roof
             job = job[done:]
         return measured
@@ -245,7 +250,8 @@ def _env() -> dict:
 
 
 def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable,
-                    roofline: Path | None = None) -> tuple[int, dict | None]:  # fmt: skip
+                    roofline: Path | None = None,
+                    infer_budget: float | None = None) -> tuple[int, dict | None]:  # fmt: skip
     """Run ``cases`` (one framework) in order in one worker process, by pair groups; returns how many
     got a record and the roofline the process measured first (when ``roofline``, its file).
 
@@ -258,6 +264,8 @@ def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable
         out, log = Path(tmp) / "cases.jsonl", Path(tmp) / "output.txt"
         cmd = [interpreter(framework), "-m", "polyamp.compare.worker", "--budget", str(budget),
                "--out", str(out)]  # fmt: skip
+        if infer_budget is not None:
+            cmd += ["--infer-budget", str(infer_budget)]
         for case in cases:
             cmd += ["--case", *case]
         if quick:
