@@ -11,7 +11,7 @@ FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet", "keras", "jmp")
 
 
 CORE_MODULES = ["polyamp, polyamp.numerics", "polyamp.policy, polyamp.scaling", "polyamp.native",
-                "polyamp.mixed_precision, polyamp.eager, polyamp.frameworks"]  # fmt: skip
+                "polyamp.mixed_precision, polyamp.eager, polyamp.frameworks", "polyamp.doctor"]  # fmt: skip
 
 
 @pytest.mark.parametrize("modules", CORE_MODULES)

@@ -108,9 +108,7 @@ class LogHistogram:
         if self.total == -1:
             object.__setattr__(self, "total", expected)
         elif self.total != expected:
-            raise PolyampError(
-                f"total {self.total!r} != counts + zeros + nonfinite + apart = {expected}"
-            )
+            raise PolyampError(f"total {self.total!r} != counts + zeros + nonfinite + apart = {expected}")
         self._check_extremes()
 
     def _check_extremes(self) -> None:
@@ -125,8 +123,10 @@ class LogHistogram:
         used = np.flatnonzero(self.counts)
         if not used.size:
             if amax != 0 or amin is not None:
-                raise PolyampError(f"no non-zero finite element is counted but amax={amax!r}, "
-                                   f"amin_nonzero={amin!r} (expected 0.0 and None)")  # fmt: skip
+                raise PolyampError(
+                    f"no non-zero finite element is counted but amax={amax!r}, "
+                    f"amin_nonzero={amin!r} (expected 0.0 and None)"
+                )
             return
         for name, value, i in (("amax", amax, used[-1]), ("amin_nonzero", amin, used[0])):
             if value is not None and not LO[i] <= value < HI[i]:
@@ -151,14 +151,30 @@ class LogHistogram:
         )
 
     @classmethod
-    def from_counts(cls, counts, zeros: int, nonfinite: int, amax: float, amin_nonzero: float | None = None,
-                    *, apart: int = 0, total: int | None = None) -> LogHistogram:  # fmt: skip
+    def from_counts(
+        cls,
+        counts,
+        zeros: int,
+        nonfinite: int,
+        amax: float,
+        amin_nonzero: float | None = None,
+        *,
+        apart: int = 0,
+        total: int | None = None,
+    ) -> LogHistogram:
         """For front ends that bin on their own device: ``counts`` is the flat array of the spec."""
         arr = np.asarray(counts)
         if arr.dtype.kind == "f" and arr.size and np.array_equal(arr, np.round(arr)):
             arr = arr.astype(np.int64)  # some frameworks count in floats
-        return cls(counts=arr, zeros=zeros, nonfinite=nonfinite, amax=amax, amin_nonzero=amin_nonzero,
-                   apart=apart, total=-1 if total is None else total)  # fmt: skip
+        return cls(
+            counts=arr,
+            zeros=zeros,
+            nonfinite=nonfinite,
+            amax=amax,
+            amin_nonzero=amin_nonzero,
+            apart=apart,
+            total=-1 if total is None else total,
+        )
 
     def merge(self, *others: LogHistogram) -> LogHistogram:
         """One histogram of all the elements of ``self`` and ``others``."""
@@ -197,9 +213,13 @@ class LogHistogram:
         return {
             "spec": {"sub": SUB, "b_min": B_MIN, "b_max": B_MAX},
             "bins": [[int(i), int(self.counts[i])] for i in used],
-            "zeros": self.zeros, "nonfinite": self.nonfinite, "apart": self.apart, "total": self.total,
-            "amax": self.amax, "amin_nonzero": self.amin_nonzero,
-        }  # fmt: skip
+            "zeros": self.zeros,
+            "nonfinite": self.nonfinite,
+            "apart": self.apart,
+            "total": self.total,
+            "amax": self.amax,
+            "amin_nonzero": self.amin_nonzero,
+        }
 
     @classmethod
     def from_json(cls, data: dict | str) -> LogHistogram:
@@ -219,9 +239,18 @@ class LogHistogram:
             for i, c in data["bins"]:
                 counts[int(i)] += int(c)
         except (TypeError, ValueError, IndexError) as err:
-            raise PolyampError(f"bad histogram bins ({err}); expected [[index < {N_BINS}, count], ...]") from None
-        return cls(counts=counts, zeros=data["zeros"], nonfinite=data["nonfinite"], amax=data["amax"],
-                   amin_nonzero=data["amin_nonzero"], apart=data.get("apart", 0), total=data["total"])  # fmt: skip
+            raise PolyampError(
+                f"bad histogram bins ({err}); expected [[index < {N_BINS}, count], ...]"
+            ) from None
+        return cls(
+            counts=counts,
+            zeros=data["zeros"],
+            nonfinite=data["nonfinite"],
+            amax=data["amax"],
+            amin_nonzero=data["amin_nonzero"],
+            apart=data.get("apart", 0),
+            total=data["total"],
+        )
 
 
 def update_ratio_histogram(update, weight) -> LogHistogram:
@@ -254,8 +283,10 @@ def update_ratio_histogram(update, weight) -> LogHistogram:
 
 def _as_array(x, name: str) -> np.ndarray:
     if type(x).__module__.split(".")[0] in ("torch", "tensorflow", "jax", "jaxlib", "mxnet"):
-        raise PolyampError(f"{name}: the numpy core takes numpy arrays, got {type(x).__module__}."
-                           f"{type(x).__name__}; a front end bins on its device and calls from_counts")  # fmt: skip
+        raise PolyampError(
+            f"{name}: the numpy core takes numpy arrays, got {type(x).__module__}."
+            f"{type(x).__name__}; a front end bins on its device and calls from_counts"
+        )
     arr = np.asarray(x)
     if arr.dtype not in _DTYPES:
         raise PolyampError(

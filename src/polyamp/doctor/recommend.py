@@ -1,0 +1,322 @@
+"""From per-layer x tensor-kind histograms to a policy, a loss scale, layers to keep in fp32, master weights.
+
+Rules (the thresholds are the named constants below, each with its reason):
+
+1. Non-finite first: if any observed tensor holds inf/NaN in the fp32 run, the policy is "float32" and the
+   report names the first one in the order a step creates them: weights (layer order), outputs (layer
+   order), output gradients and weight gradients (reverse layer order: the backward pass), updates.
+2. Each mixed policy is checked in its format (fp16-mixed: fp16 with a loss scale; bf16-mixed: bf16, no
+   scale), in this order, per layer:
+   - forward: an output or weight whose max exceeds OUTPUT_MARGIN * max finite -> keep that layer in fp32;
+   - loss scale (fp16): the largest power of two S with S * (largest gradient) <= LOSS_SCALE_MARGIN * max,
+     capped at MAX_LOSS_SCALE, over every output gradient and the weight gradients of layers not kept
+     (a kept layer computes its weight gradient in fp32; its output gradient comes from the next layer);
+   - a layer whose gradients (output and weight, merged) flush to zero beyond GRAD_UNDERFLOW_MAX at S;
+   - updates: lost (``predict.lost_updates``) in the policy's format; master weights are needed when the
+     model-wide lost fraction, or the count of layers past it, is too large; otherwise the few layers
+     past LOST_UPDATES_MAX are kept in fp32.
+   A check is feasible when it keeps fewer than all layers and at most max(1, MAX_KEEP_FRACTION * layers).
+3. The policy is fp16-mixed when feasible (3 more mantissa bits than bf16), else bf16-mixed when feasible
+   (float32's range, no loss scale), else float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from ..errors import PolyampError, invalid
+from ..numerics import FloatFormat, get_format
+from .histogram import LogHistogram
+from .predict import lost_updates, predict
+
+KINDS = ("output", "grad_output", "weight", "grad_weight", "update_ratio")
+GRAD_KINDS = ("grad_output", "grad_weight")
+
+LOSS_SCALE_MARGIN = 0.5  # later batches' gradients run larger; one halving is dynamic scaling's step
+OUTPUT_MARGIN = 0.5  # an activation within 2x of the format's max overflows on a slightly larger input
+MAX_LOSS_SCALE = 2.0**24  # above torch's 2^16 and Keras' 2^15 defaults; more means gradients fp16 cannot hold
+DEFAULT_LOSS_SCALE = 2.0**16  # torch's GradScaler default, when no non-zero gradient was observed
+GRAD_UNDERFLOW_MAX = 0.05  # a layer with over 5% of its gradient flushed to 0 learns from a thinned one
+LOST_UPDATES_MAX = 0.05  # a step that cannot move over 5% of the weights drifts from (or stalls against) fp32
+MAX_KEEP_FRACTION = 0.25  # over a quarter of the layers in fp32 leaves little to gain from mixed precision
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One tapped tensor: ``kind`` in KINDS; repeated (layer, kind) pairs are merged."""
+
+    layer: str
+    kind: str
+    hist: LogHistogram
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer, str) or not self.layer:
+            raise PolyampError(f"layer must be a non-empty string, got {self.layer!r}")
+        if self.kind not in KINDS:
+            raise invalid("tensor kind", self.kind, KINDS)
+        if not isinstance(self.hist, LogHistogram):
+            raise PolyampError(f"hist must be a LogHistogram, got {type(self.hist).__name__}")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem: ``problem`` in overflow | underflow | lost_updates | nonfinite; ``line`` says it."""
+
+    layer: str
+    kind: str
+    format: str
+    problem: str
+    fraction: float
+    line: str
+
+
+@dataclass(frozen=True)
+class PolicyCheck:
+    """One candidate policy checked against the observations."""
+
+    policy: str
+    format: str
+    feasible: bool
+    keep_fp32: dict[str, str]  # layer -> reason, in layer order
+    loss_scale: float | None
+    loss_scale_reason: str
+    gradient_underflow: float | None  # model-wide fraction of gradient elements flushed at loss_scale
+    master_weights: bool
+    master_weights_reason: str
+    findings: tuple[Finding, ...]
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What to run; ``line()`` is the one-line summary, ``to_json()`` the whole record."""
+
+    policy: str
+    reason: str
+    loss_scale: float | None = None
+    loss_scale_reason: str = ""
+    gradient_underflow: float | None = None
+    keep_fp32: tuple[str, ...] = ()
+    keep_fp32_reasons: dict[str, str] = field(default_factory=dict)
+    master_weights: bool = True
+    master_weights_reason: str = ""
+    nonfinite: Finding | None = None
+    findings: tuple[Finding, ...] = ()
+    checks: dict[str, PolicyCheck] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return f"{self.policy}: {self.reason}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def recommend(observations: Iterable[Observation]) -> Recommendation:
+    """The recommendation for a model from its observations (module docstring for the rules)."""
+    table = _table(observations)
+    layers = list(table)
+    bad = _first_nonfinite(table, layers)
+    if bad is not None:
+        return Recommendation(
+            policy="float32",
+            reason=f"the model is already non-finite in float32: {bad.line}; fix that "
+            "first (no lower precision can help)",
+            master_weights=False,
+            master_weights_reason="float32 trains its weights directly",
+            nonfinite=bad,
+            findings=(bad,),
+        )
+    checks = {
+        c.policy: c
+        for c in (
+            _check(table, "fp16-mixed", get_format("fp16"), True),
+            _check(table, "bf16-mixed", get_format("bf16"), False),
+        )
+    }
+    fp16, bf16 = checks["fp16-mixed"], checks["bf16-mixed"]
+    n = len(layers)
+    if fp16.feasible:
+        kept = (
+            f"{len(fp16.keep_fp32)} of {n} layers kept in fp32" if fp16.keep_fp32 else "no layer kept in fp32"
+        )
+        chosen, reason = (
+            fp16,
+            (
+                f"fits fp16 at loss scale {_pow2(fp16.loss_scale)} ({_pct(fp16.gradient_underflow)} "
+                f"of gradient elements flush to zero), {kept}"
+            ),
+        )
+    elif bf16.feasible:
+        chosen, reason = (
+            bf16,
+            f"fp16 would need {_why(fp16, n)}; bf16 has float32's range and needs no loss scale",
+        )
+    else:
+        return Recommendation(
+            policy="float32",
+            reason=f"fp16 would need {_why(fp16, n)}; bf16 would need {_why(bf16, n)}",
+            master_weights=False,
+            master_weights_reason="float32 trains its weights directly",
+            findings=fp16.findings + bf16.findings,
+            checks=checks,
+        )
+    return Recommendation(
+        policy=chosen.policy,
+        reason=reason,
+        loss_scale=chosen.loss_scale,
+        loss_scale_reason=chosen.loss_scale_reason,
+        gradient_underflow=chosen.gradient_underflow,
+        keep_fp32=tuple(chosen.keep_fp32),
+        keep_fp32_reasons=dict(chosen.keep_fp32),
+        master_weights=chosen.master_weights,
+        master_weights_reason=chosen.master_weights_reason,
+        findings=chosen.findings,
+        checks=checks,
+    )
+
+
+def _table(observations) -> dict[str, dict[str, LogHistogram]]:
+    if isinstance(observations, Observation) or not isinstance(observations, Iterable):
+        raise PolyampError(f"expected a sequence of Observation, got {type(observations).__name__}")
+    table: dict[str, dict[str, LogHistogram]] = {}
+    for ob in observations:
+        if not isinstance(ob, Observation):
+            raise PolyampError(f"expected Observation(layer, kind, hist), got {type(ob).__name__}")
+        kinds = table.setdefault(ob.layer, {})
+        kinds[ob.kind] = kinds[ob.kind].merge(ob.hist) if ob.kind in kinds else ob.hist
+    if not table:
+        raise PolyampError("no observations: expected at least one Observation(layer, kind, hist)")
+    return table
+
+
+def _first_nonfinite(table, layers) -> Finding | None:
+    back = layers[::-1]
+    for kind, order in (
+        ("weight", layers),
+        ("output", layers),
+        ("grad_output", back),
+        ("grad_weight", back),
+        ("update_ratio", layers),
+    ):
+        for layer in order:
+            h = table[layer].get(kind)
+            if h is not None and h.nonfinite:
+                line = f"layer {layer!r} {kind} has {h.nonfinite} non-finite of {h.total} elements"
+                return Finding(layer, kind, "fp32", "nonfinite", h.nonfinite / h.total, line)
+    return None
+
+
+def _check(table, policy: str, fmt: FloatFormat, scaled: bool) -> PolicyCheck:
+    layers, keep, findings = list(table), {}, []
+
+    def flag(layer, kind, problem, fraction, line):
+        findings.append(Finding(layer, kind, fmt.name, problem, fraction, line))
+        keep.setdefault(layer, line)
+
+    limit = OUTPUT_MARGIN * fmt.max
+    for layer in layers:
+        for kind in ("output", "weight"):
+            h = table[layer].get(kind)
+            if h is not None and h.total and h.amax > limit:
+                p = predict(h, fmt)
+                what = (
+                    f"overflows {fmt.name} ({_pct(p.overflow)} of elements"
+                    if p.any_overflow
+                    else f"is within {1 / OUTPUT_MARGIN:g}x of {fmt.name}'s max ({fmt.max:g}"
+                )
+                flag(layer, kind, "overflow", p.overflow, f"{kind} {what}, max {h.amax:.3g})")
+    grads = [
+        h
+        for layer in layers
+        for kind, h in table[layer].items()
+        if kind == "grad_output" or (kind == "grad_weight" and layer not in keep)
+    ]
+    scale, scale_reason = _loss_scale(max((h.amax for h in grads), default=0.0), fmt, scaled)
+    for layer in layers:
+        hs = [table[layer][kind] for kind in GRAD_KINDS if kind in table[layer] and table[layer][kind].total]
+        if hs:
+            p = predict(hs[0].merge(*hs[1:]), fmt, scale)
+            if p.flush > GRAD_UNDERFLOW_MAX:
+                flag(
+                    layer,
+                    "gradient",
+                    "underflow",
+                    p.flush,
+                    f"gradients flush to zero in {fmt.name} at scale {_pow2(scale)}: {_pct(p.flush)}",
+                )
+    underflow = None
+    if grads and any(h.total for h in grads):
+        merged = grads[0].merge(*grads[1:])
+        underflow = predict(merged, fmt, scale).flush
+    ratios = {
+        layer: table[layer]["update_ratio"]
+        for layer in layers
+        if "update_ratio" in table[layer] and table[layer]["update_ratio"].total
+    }
+    master, master_reason = True, "no update observed: keep fp32 master weights (the safe default)"
+    if ratios:
+        lost = {layer: lost_updates(h, fmt).lost for layer, h in ratios.items()}
+        first = next(iter(ratios.values()))
+        overall = lost_updates(first.merge(*list(ratios.values())[1:]), fmt).lost
+        many = [layer for layer, f in lost.items() if f > LOST_UPDATES_MAX]
+        master = overall > LOST_UPDATES_MAX or len(many) > max(1, MAX_KEEP_FRACTION * len(layers))
+        master_reason = (
+            f"{_pct(overall)} of weight updates are below half an ulp in {fmt.name} "
+            f"({len(many)} layers past {_pct(LOST_UPDATES_MAX)})"
+        )
+        for layer in many:
+            line = f"updates lost in {fmt.name} weights: {_pct(lost[layer])}"
+            findings.append(Finding(layer, "update_ratio", fmt.name, "lost_updates", lost[layer], line))
+            if not master:
+                keep.setdefault(layer, line)
+    feasible = len(keep) < len(layers) and len(keep) <= max(1, MAX_KEEP_FRACTION * len(layers))
+    order = {"overflow": 0, "underflow": 1, "lost_updates": 2}
+    findings.sort(key=lambda f: order[f.problem])  # stable: layer order within a problem
+    return PolicyCheck(
+        policy,
+        fmt.name,
+        feasible,
+        {la: keep[la] for la in layers if la in keep},
+        scale if scaled else None,
+        scale_reason,
+        underflow,
+        master,
+        master_reason,
+        tuple(findings),
+    )
+
+
+def _loss_scale(amax: float, fmt: FloatFormat, scaled: bool) -> tuple[float, str]:
+    """The largest power of two S with amax * S <= LOSS_SCALE_MARGIN * max, capped; 1 when unscaled."""
+    if not scaled:
+        return 1.0, f"{fmt.name} has float32's exponent range: no loss scale"
+    if amax == 0:
+        return DEFAULT_LOSS_SCALE, "no non-zero gradient observed: the default 2^16"
+    limit, cap = LOSS_SCALE_MARGIN * fmt.max, int(math.log2(MAX_LOSS_SCALE))
+    k = math.floor(math.log2(limit / amax))
+    k += 1 if amax * math.ldexp(1.0, k + 1) <= limit else 0  # log2 may be off by one ulp
+    k -= 1 if amax * math.ldexp(1.0, k) > limit else 0
+    k = min(k, cap)
+    capped = " (capped)" if k == cap else ""
+    return math.ldexp(
+        1.0, k
+    ), f"largest gradient {amax:.3g} x 2^{k} <= {LOSS_SCALE_MARGIN:g} x {fmt.max:g}{capped}"
+
+
+def _why(check: PolicyCheck, n: int) -> str:
+    if not check.keep_fp32:
+        return "nothing"
+    layer, line = next(iter(check.keep_fp32.items()))
+    return f"{len(check.keep_fp32)} of {n} layers in fp32 (first {layer!r}: {line})"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.3g}%"
+
+
+def _pow2(scale: float | None) -> str:
+    if scale is None:
+        return "none"
+    m, e = math.frexp(scale)
+    return f"2^{e - 1}" if m == 0.5 else f"{scale:g}"
