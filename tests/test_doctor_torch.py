@@ -1,0 +1,414 @@
+"""The doctor's PyTorch taps (polyamp.torch.doctor) against the numpy core, on real torch."""
+
+import copy
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from frameworks import require
+from torch import nn
+
+from polyamp import PolyampError
+from polyamp.doctor import KINDS, N_BINS, LogHistogram, Observation, update_ratio_histogram
+from polyamp.torch.doctor import collect, histogram, ratio_histogram
+
+
+def reference(t: torch.Tensor) -> LogHistogram:
+    a = t.detach().cpu()
+    if a.dtype == torch.bfloat16:
+        return LogHistogram.of(a.float().numpy().astype(ml_dtypes.bfloat16))
+    return LogHistogram.of(a.numpy())
+
+
+def special_values(dtype):
+    big = torch.finfo(dtype).max
+    tiny = torch.finfo(dtype).smallest_normal
+    values = [0.0, -0.0, math.inf, -math.inf, math.nan, big, -big, tiny, tiny / 2, tiny / 8, -tiny / 1024]
+    if dtype in (torch.float32, torch.float64):
+        values += [1e-45, -3e-44, 1.17e-38] if dtype == torch.float32 else [5e-324, 1e-310]
+    return torch.tensor(values, dtype=torch.float64).to(dtype)
+
+
+def wide(n, dtype, seed):
+    """Random magnitudes over most of the dtype's exponent range, both signs."""
+    g = torch.Generator().manual_seed(seed)
+    info = torch.finfo(dtype)
+    lo, hi = math.log2(info.smallest_normal) - 8, math.log2(info.max) - 1
+    e = torch.empty(n, dtype=torch.float64).uniform_(lo, hi, generator=g)
+    return (torch.randn(n, generator=g, dtype=torch.float64).sign() * torch.exp2(e)).to(dtype)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+# -- binning on the device equals the numpy core ---------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_histogram_equals_the_numpy_core(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = wide(20000, dtype, seed=1)
+    with_specials = x.clone()
+    with_specials[::97] = special_values(dtype).repeat(300)[: with_specials[::97].numel()]
+    cases = [
+        x,
+        with_specials,
+        torch.randn(3, 5, 7, generator=g).to(dtype),  # a few elements, not flat
+        torch.randn(4000, generator=g).to(dtype) * 1e-3,
+        special_values(dtype),
+        torch.zeros(9, dtype=dtype),
+        torch.full((4,), math.nan, dtype=dtype),
+        torch.tensor([0.0, math.inf, -0.0], dtype=dtype),
+        torch.empty(0, dtype=dtype),
+        torch.randn(64, 64, generator=g).to(dtype).t(),  # not contiguous
+    ]
+    for t in cases:
+        assert histogram(t) == reference(t), (dtype, t.flatten()[:8])
+
+
+def test_float32_subnormals_zeros_and_extremes_are_binned_exactly():
+    sub = torch.tensor([1e-45, 2.8e-45, 1e-40, -1.1e-38, 5e-39, 0.0, -0.0], dtype=torch.float32)
+    h = histogram(sub)
+    assert h == reference(sub)
+    assert h.zeros == 2 and h.amin_nonzero == float(np.float32(1e-45))
+    assert h.amax == float(np.float32(1.1e-38))
+    assert histogram(torch.tensor([math.nan, 0.0])).amin_nonzero is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
+def test_update_ratio_histogram_equals_the_numpy_core(dtype):
+    g = torch.Generator().manual_seed(2)
+    n = 6000
+    w = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
+    u = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 10, (n,), generator=g).float())
+    w, u = w.to(dtype), u.to(dtype)
+    assert ratio_histogram(u, w) == update_ratio_histogram(u.numpy(), w.numpy())
+    # one lost update (u == 0) in a large tensor, then every kind of special element
+    u[5] = 0
+    assert ratio_histogram(u, w) == update_ratio_histogram(u.numpy(), w.numpy())
+    specials = {0: (0.0, 1.0), 7: (1.0, 0.0), 11: (math.nan, 1.0), 13: (1.0, math.inf), 17: (0.0, 0.0),
+                19: (1e-44, 1.0), 23: (1.0, 1e-41), 29: (3e38, 1e-37), 31: (1e-37, 3e38)}  # fmt: skip
+    for i, (ui, wi) in specials.items():
+        u[i], w[i] = ui, wi
+    got, want = ratio_histogram(u, w), update_ratio_histogram(u.numpy(), w.numpy())
+    assert got == want
+    assert got.apart == want.apart >= 1 and got.nonfinite >= 2
+    assert ratio_histogram(torch.zeros(4, dtype=dtype), torch.ones(4, dtype=dtype)).zeros == 4
+    with pytest.raises(PolyampError, match="shape"):
+        ratio_histogram(u[:3], w[:4])
+
+
+def test_only_small_arrays_reach_the_host(monkeypatch):
+    """The taps move counts and a few scalars, never a whole tensor (CPU here; the same calls on CUDA)."""
+    seen = []
+    for name in ("cpu", "numpy", "tolist", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _original=original, **kwargs):
+            seen.append(self.numel())
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))  # 8192 weights a layer
+    x = torch.randn(256, 64)
+    x[0, 0] = 1e-40  # subnormals, zeros and inf take the other branches
+    adam = torch.optim.Adam(model.parameters())
+    collect(model, (x, torch.randn(256, 64)), nn.functional.mse_loss, optimizer=adam)
+    histogram(torch.tensor([0.0, 1e-41, math.inf] * 5000))
+    assert seen and max(seen) <= N_BINS < 64 * 128
+
+
+# -- collect: never changes the model or the optimizer ----------------------------------------------
+class Net(nn.Module):
+    """Parameters at the root and in leaves, a frozen layer, buffers (BatchNorm), dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+        self.fc1 = nn.Linear(6, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.25)
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(self.frozen(self.drop(torch.relu(self.bn(self.fc1(x * self.scale))))))
+
+
+def snapshot(model, optimizer):
+    """Everything collect must leave as it found: values bitwise, identities, flags, RNG."""
+
+    def bits(t):
+        return t.detach().clone().reshape(-1).view(torch.uint8)
+
+    def deep(v):
+        if isinstance(v, torch.Tensor):
+            return ("tensor", v.dtype, tuple(v.shape), bits(v).tolist())
+        if isinstance(v, dict):
+            return {k: deep(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [deep(x) for x in v]
+        return v
+
+    return {
+        "params": {n: (id(p), p.requires_grad, bits(p).tolist()) for n, p in model.named_parameters()},
+        "grads": {n: (id(p.grad), deep(p.grad)) for n, p in model.named_parameters() if p.grad is not None},
+        "no grads": sorted(n for n, p in model.named_parameters() if p.grad is None),
+        "buffers": {n: (id(b), deep(b)) for n, b in model.named_buffers()},
+        "training": {n: m.training for n, m in model.named_modules()},
+        "hooks": {n: (len(m._forward_hooks), len(m._backward_hooks)) for n, m in model.named_modules()},
+        "optimizer": deep(optimizer.state_dict()) if optimizer is not None else None,
+        "rng": torch.get_rng_state().tolist(),
+    }
+
+
+def trained_net(steps=3):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(32, 6, generator=g), torch.randn(32, 3, generator=g)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    nn.functional.mse_loss(model(x), y).backward()  # leave gradients behind, as a user might
+    model.bn.eval()  # a mixed train/eval state to put back
+    return model, opt, (x, y)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_collect_leaves_model_optimizer_and_rng_bitwise_unchanged(steps, with_optimizer):
+    model, opt, batch = trained_net()
+    assert opt.state  # Adam has state: exp_avg, exp_avg_sq, step
+    opt = opt if with_optimizer else None
+    before = snapshot(model, opt)
+    obs = collect(model, batch, nn.functional.mse_loss, steps=steps, optimizer=opt)
+    assert snapshot(model, opt) == before
+    kinds = {o.kind for o in obs}
+    assert ("update_ratio" in kinds) == with_optimizer
+
+
+def test_collect_puts_everything_back_when_the_loss_raises():
+    model, opt, batch = trained_net()
+    before = snapshot(model, opt)
+    calls = []
+
+    def failing(out, y):
+        calls.append(1)
+        if len(calls) == 2:  # the second step: after a real optimizer step
+            raise ZeroDivisionError("user loss failed")
+        return nn.functional.mse_loss(out, y)
+
+    with pytest.raises(ZeroDivisionError, match="user loss failed"):
+        collect(model, batch, failing, steps=3, optimizer=opt)
+    assert snapshot(model, opt) == before
+
+
+def test_collect_with_a_fresh_optimizer_leaves_it_without_state():
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.Adam(model.parameters())
+    collect(model, torch.randn(8, 4), lambda out, x: (out - x).pow(2).mean(), optimizer=opt)
+    assert not opt.state and all(p.grad is None for p in model.parameters())
+
+
+# -- what collect observes --------------------------------------------------------------------------
+def tiny():
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def test_observations_equal_the_numpy_core_on_the_same_tensors_in_module_order():
+    model = tiny()
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    obs = collect(model, (x, y), nn.functional.mse_loss)
+
+    # the same step by hand
+    ref = copy.deepcopy(model)
+    h0 = ref[0](x)
+    h1 = ref[1](h0)
+    h2 = ref[2](h1)
+    for h in (h0, h1, h2):
+        h.retain_grad()
+    nn.functional.mse_loss(h2, y).backward()
+
+    def merged(*ts):
+        hs = [reference(t) for t in ts]
+        return hs[0].merge(*hs[1:])
+
+    want = [
+        ("0", "output", merged(h0)), ("0", "grad_output", merged(h0.grad)),
+        ("0", "weight", merged(ref[0].weight, ref[0].bias)),
+        ("0", "grad_weight", merged(ref[0].weight.grad, ref[0].bias.grad)),
+        ("1", "output", merged(h1)), ("1", "grad_output", merged(h1.grad)),
+        ("2", "output", merged(h2)), ("2", "grad_output", merged(h2.grad)),
+        ("2", "weight", merged(ref[2].weight, ref[2].bias)),
+        ("2", "grad_weight", merged(ref[2].weight.grad, ref[2].bias.grad)),
+    ]  # fmt: skip
+    assert [(o.layer, o.kind) for o in obs] == [(layer, kind) for layer, kind, _ in want]
+    for o, (_, _, hist) in zip(obs, want):
+        assert isinstance(o, Observation) and o.hist == hist, (o.layer, o.kind)
+
+
+def test_steps_merge_into_one_observation_per_layer_and_kind():
+    model = tiny()
+    x = torch.randn(16, 8)
+    obs = collect(model, (x, torch.zeros(16, 4)), nn.functional.mse_loss, steps=3,
+                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # fmt: skip
+    pairs = [(o.layer, o.kind) for o in obs]
+    assert len(pairs) == len(set(pairs))
+    table = {(o.layer, o.kind): o.hist for o in obs}
+    assert table["0", "output"].total == 3 * 16 * 32
+    assert table["0", "weight"].total == table["0", "update_ratio"].total == 3 * (8 * 32 + 32)
+
+
+def test_layer_names_follow_named_modules_and_named_parameters():
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Parameter(torch.randn(10, 8))  # owned by a module with children
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.head = nn.Linear(8, 10, bias=False)
+            self.tied = nn.Linear(10, 8, bias=False)
+            self.tied.weight = self.head.weight  # shared: observed once, in head (named_parameters' owner)
+
+        def forward(self, ids):
+            return self.head(self.block(self.embed[ids]))
+
+    model = Model()
+    ids = torch.randint(0, 10, (4, 5))
+    obs = collect(
+        model, (ids, ids), lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+    )
+    layers = list(dict.fromkeys(o.layer for o in obs))
+    assert layers == ["embed", "block.0", "block.1", "head"]
+    table = {(o.layer, o.kind): o.hist for o in obs}
+    assert ("embed", "output") not in table and table["embed", "grad_weight"].zeros > 0  # rows not looked up
+    assert table["head", "weight"].total == 80  # the tied weight once
+    assert set(o.kind for o in obs) <= set(KINDS)
+
+    single = nn.Linear(3, 1)
+    names = {o.layer for o in collect(single, torch.randn(5, 3), lambda out, x: out.pow(2).mean())}
+    assert names == {"Linear"}
+
+
+def test_update_ratios_of_sgd_are_lr_times_grad_over_the_weight():
+    model = tiny()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    table = {(o.layer, o.kind): o.hist for o in collect(model, (x, y), nn.functional.mse_loss, optimizer=sgd)}
+
+    ref = copy.deepcopy(model)
+    nn.functional.mse_loss(ref(x), y).backward()
+    w0 = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for layer in ("0", "2"):
+        names = [f"{layer}.weight", f"{layer}.bias"]
+        applied = [update_ratio_histogram((ref.get_parameter(n).detach() - w0[n]).numpy(), w0[n].numpy())
+                   for n in names]  # fmt: skip
+        assert table[layer, "update_ratio"] == applied[0].merge(applied[1])  # exactly, the update as applied
+        # and lr * grad / weight, up to the rounding of w - lr * g to the weight's ulp: a few elements move
+        ideal = [update_ratio_histogram(np.float32(0.1) * ref.get_parameter(n).grad.numpy(), w0[n].numpy())
+                 for n in names]  # fmt: skip
+        ideal = ideal[0].merge(ideal[1])
+        got = table[layer, "update_ratio"]
+        assert got.total == ideal.total and got.apart == ideal.apart == 0
+        assert np.abs(np.cumsum(got.counts) - np.cumsum(ideal.counts)).max() <= 0.01 * got.total
+        assert math.isclose(got.amax, ideal.amax, rel_tol=1e-3)
+
+
+def test_nonfinite_outputs_are_observed_not_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(3e38)
+    obs = collect(model, torch.ones(2, 4), lambda out, x: out.mean())
+    table = {(o.layer, o.kind): o.hist for o in obs}
+    assert table["0", "output"].nonfinite == 8 and table["1", "output"].nonfinite == 2
+
+
+def test_batch_forms_and_a_loss_returned_by_the_model():
+    class WithLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 1)
+
+        def forward(self, x, y=None):
+            out = self.fc(x)
+            return {"loss": (out - y).pow(2).mean(), "out": out} if y is not None else out
+
+    model, x, y = WithLoss(), torch.randn(5, 3), torch.randn(5, 1)
+    by_dict = collect(model, {"x": x, "y": y})  # model(**batch); the loss is the output's "loss"
+    by_args = collect(model, ((x, y), None), lambda out, _: out["loss"])  # model(*inputs)
+    assert [(o.layer, o.kind, o.hist) for o in by_dict] == [(o.layer, o.kind, o.hist) for o in by_args]
+    assert len(collect(model, x, lambda out, batch: out.pow(2).mean())) == 4  # model(batch)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensors_bin_the_same_as_on_cpu():
+    x = wide(100000, torch.float32, seed=6)
+    x[::101] = special_values(torch.float32).repeat(100)[: x[::101].numel()]
+    assert histogram(x.cuda()) == reference(x)
+    w = torch.randn(5000) * 0.1
+    u = torch.randn(5000) * 1e-4
+    u[::7] = 0
+    assert ratio_histogram(u.cuda(), w.cuda()) == update_ratio_histogram(u.numpy(), w.numpy())
+    model = tiny().cuda()
+    obs = collect(model, torch.randn(8, 8, device="cuda"), lambda out, x: out.pow(2).mean(),
+                  optimizer=torch.optim.Adam(model.parameters()))  # fmt: skip
+    assert {o.kind for o in obs} == set(KINDS)
+
+
+# -- bad input: one clear PolyampError each ---------------------------------------------------------
+def mse(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        (lambda m, b: collect(nn.ReLU(), b, mse), "no parameters"),
+        (lambda m, b: collect(m.requires_grad_(False), b, mse), "no parameter that requires grad"),
+        (lambda m, b: collect(m, b, mse, steps=0), "steps must be a whole number >= 1, got 0"),
+        (lambda m, b: collect(m, b, mse, steps=1.0), "steps must be a whole number"),
+        (lambda m, b: collect(m, b, mse, steps=True), "steps must be a whole number"),
+        (lambda m, b: collect(m, (b[0].numpy(), b[1]), mse), "expected torch tensors, got numpy.ndarray"),
+        (lambda m, b: collect(m, b[0].numpy(), mse), "expected torch tensors"),
+        (lambda m, b: collect(m, (b[0], b[1], b[1]), mse), r"\(inputs, targets\) pair"),
+        (lambda m, b: collect(m, (torch.randn(16, 5), b[1]), mse), r"forward failed.*\(16, 5\)"),
+        (lambda m, b: collect(m, b, lambda out, y: (out - y) ** 2), r"scalar .*shape \(16, 4\)"),
+        (lambda m, b: collect(m, b, lambda out, y: 1.0), "loss tensor, got builtins.float"),
+        (lambda m, b: collect(m, b[0]), r"the model \(loss_fn=None\) must return a scalar"),
+        (lambda m, b: collect(m, b, lambda out, y: out.detach().sum()), "does not depend"),
+        (lambda m, b: collect(m, b, "mse"), "loss_fn must be callable"),
+        (lambda m, b: collect(m, b, mse, optimizer=object()), "optimizer: expected a torch.optim.Optimizer"),
+        (lambda m, b: collect(m.state_dict(), b, mse), "model: expected a torch.nn.Module"),
+    ],
+)
+def test_bad_input_is_one_clear_error(case, match):
+    model, batch = tiny(), (torch.randn(16, 8), torch.randn(16, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PolyampError, match=match):
+        case(model, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_batch_of_another_framework_is_refused():
+    tf = require("tensorflow")
+    with pytest.raises(PolyampError, match="torch tensors, got tensorflow.python.framework.ops.EagerTensor"):
+        collect(tiny(), (tf.zeros((2, 8)), torch.zeros(2, 4)), mse)
+    jnp = require("jax").numpy
+    with pytest.raises(PolyampError, match="expected torch tensors, got jax"):
+        collect(tiny(), {"x": jnp.ones((2, 8))}, mse)
+
+
+def test_fp8_tensors_are_widened_exactly():
+    x = wide(3000, torch.float32, seed=7).clamp(-400, 400)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t = x.to(dtype)
+        assert histogram(t) == reference(t.float())
+    with pytest.raises(PolyampError, match="cannot bin a torch.int32 tensor"):
+        histogram(torch.ones(3, dtype=torch.int32))
