@@ -214,6 +214,15 @@ def test_collect_with_a_fresh_optimizer_leaves_it_without_state():
     assert not opt.state and all(p.grad is None for p in model.parameters())
 
 
+def test_an_lr_scheduler_still_sees_that_the_user_never_stepped_the_optimizer():
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    collect(model, torch.randn(8, 4), lambda out, x: (out - x).pow(2).mean(), optimizer=opt)
+    with pytest.warns(UserWarning, match=r"lr_scheduler.step\(\)` before `optimizer.step\(\)"):
+        scheduler.step()  # torch warns as it would have without collect: collect's step is not the user's
+
+
 # -- what collect observes --------------------------------------------------------------------------
 def tiny():
     torch.manual_seed(3)

@@ -65,6 +65,8 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
     buffers = [(name, b, b.detach().clone()) for name, b in model.named_buffers()]
     modes = [(m, m.training) for m in model.modules()]
     opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    # what an LR scheduler reads to tell whether optimizer.step() ran; outside state_dict
+    opt_called = vars(optimizer).get("_opt_called") if optimizer is not None else None
     found: dict[tuple[str, str], list[LogHistogram]] = defaultdict(list)
     handles, scratch = [], _Scratch()
     cuda = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
@@ -114,6 +116,9 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
             m.training = training
         if optimizer is not None:
             optimizer.load_state_dict(opt_state)
+            vars(optimizer).pop("_opt_called", None)
+            if opt_called is not None:
+                optimizer._opt_called = opt_called
     return [Observation(name, kind, found[name, kind][0].merge(*found[name, kind][1:]))
             for name, _, _ in layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
 
