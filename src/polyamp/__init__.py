@@ -4,6 +4,7 @@ Importing polyamp imports numpy and ml_dtypes only; each framework is imported b
 first used.
 """
 
+from . import doctor
 from .errors import NonFiniteError, PolyampError, UnsupportedError
 from .mixed_precision import MixedPrecision
 from .native import from_native, to_native
@@ -30,6 +31,7 @@ __all__ = [
     "StepResult",
     "UnsupportedError",
     "decode",
+    "doctor",
     "encode",
     "from_native",
     "get_format",

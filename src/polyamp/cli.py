@@ -1,4 +1,4 @@
-"""The ``polyamp`` command line: ``formats``, ``cast`` and ``compare`` (``polyamp --help``)."""
+"""The ``polyamp`` command line: ``formats``, ``cast``, ``compare`` and ``doctor`` (``polyamp --help``)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
                    "per run before it is capped and not counted (default 300; --budget and --timeout "
                    "are the default run's)")  # fmt: skip
 
-    args = parser.parse_args(_cast_values_last(sys.argv[1:] if argv is None else list(argv)))
+    from .doctor.cli import add_parser
+
+    add_parser(sub)
+    argv = _cast_values_last(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)
     try:
         if args.command == "formats":
             return _formats(args)
@@ -73,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             from .compare.cli import compare
 
             return compare(args)
+        if args.command == "doctor":
+            from .doctor.cli import doctor
+
+            return doctor(args, argv)
         return _cast(args)
     except PolyampError as err:
         print(f"polyamp: error: {err}", file=sys.stderr)

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import PolyampError
+from .errors import PolyampError, UnsupportedError
 from .mixed_precision import MixedPrecision
 from .step import StepResult, check_clip_norm, is_number
 
@@ -75,13 +75,19 @@ class EagerOps:
         """True when ``grads`` are the very tensors, unmodified, that ``fingerprint`` was taken of."""
         return False
 
-    def prepare_model(self, model: Any, policy) -> Any:
-        """The model with its parameters in the policy's parameter dtype (``mp.watch``)."""
+    def prepare_model(self, model: Any, policy, keep_fp32: tuple[str, ...] = ()) -> Any:
+        """The model with its parameters in the policy's parameter dtype (``mp.watch``), but those of
+        the ``keep_fp32`` layers."""
         return model
 
     def parameter_names(self, model: Any) -> dict[int, str]:
         """``id(parameter) -> qualified name`` for a model."""
         raise NotImplementedError
+
+    def keep_float32(self, model: Any, keep_fp32: tuple[str, ...]) -> list[Any]:
+        """Make the layers ``keep_fp32`` names (and those below them) compute in float32 under
+        autocast; PolyampError for a name that matches no layer. Returns handles with ``remove()``."""
+        raise UnsupportedError(f"keep_fp32 is not available for {type(self).__name__}")
 
     def watch_nonfinite(self, model: Any, origin: list[str]) -> list[Any]:
         """Install hooks that append to ``origin`` where a non-finite value first appears
@@ -99,6 +105,7 @@ class EagerMixedPrecision(MixedPrecision):
         self._names: dict[int, str] = {}
         self._origin: list[str] = []
         self._hooks: list[Any] = []
+        self._kept: list[Any] = []  # the handles of mp.watch's keep_fp32
         self._backwards = 0  # backward / scale_loss calls since the last step
         self._stepped_grads: Any = None  # the gradients' fingerprint after the last step
         self._unscaled: dict[int, tuple[bool, tuple[int, ...]]] = {}  # optimizer id -> its check
@@ -137,6 +144,11 @@ class EagerMixedPrecision(MixedPrecision):
                 f"with a positive number (1 when the loss is already a mean); got batch_size={batch_size!r}"
             )
         check_clip_norm(clip_grad_norm)
+        if self.keep_fp32 and self.policy.compute_dtype != "float32" and not self._kept:
+            raise PolyampError(
+                f"keep_fp32={self.keep_fp32!r} applies to a model: call mp.watch(model) once before "
+                "training, so that those layers compute in float32"
+            )
         if self.debug and not self._hooks:
             raise PolyampError(
                 "debug=True finds where a NaN/inf first appears through hooks on the model: call "
@@ -225,10 +237,15 @@ class EagerMixedPrecision(MixedPrecision):
 
         Under a "true" policy (``bf16-true``, ``fp16-true``: parameters in the low dtype) the
         model's floating parameters are cast to that dtype (in place for torch, as Lightning's
-        ``bf16-true`` does); the model is returned.
+        ``bf16-true`` does), except those of the ``keep_fp32`` layers, which compute in float32
+        from here on; the model is returned.
         """
         self._check_mine(model, "model")
-        model = self.ops.prepare_model(model, self.policy)
+        if self.keep_fp32 and self.policy.compute_dtype != "float32":
+            self._kept.extend(self.ops.keep_float32(model, self.keep_fp32))
+            model = self.ops.prepare_model(model, self.policy, self.keep_fp32)
+        else:
+            model = self.ops.prepare_model(model, self.policy)
         self._names.update(self.ops.parameter_names(model))
         if self.debug:
             self._hooks.extend(self.ops.watch_nonfinite(model, self._origin))

@@ -42,6 +42,41 @@ def make_loss_scale(spec, policy: Policy):
     )
 
 
+def check_keep_fp32(names: Any) -> tuple[str, ...]:
+    """``keep_fp32`` as a tuple of layer names: None, one name, or an iterable of non-empty names."""
+    if names is None:
+        return ()
+    if isinstance(names, str):
+        names = (names,)
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise PolyampError(f"keep_fp32 must be layer names (strings), got {type(names).__name__}") from None
+    bad = [n for n in names if not isinstance(n, str) or not n.strip(".,/ ")]
+    if bad:
+        raise PolyampError(f"keep_fp32 must be non-empty layer names (strings), got {bad[0]!r}")
+    return tuple(dict.fromkeys(names))
+
+
+def kept(layer: str, keep_fp32: tuple[str, ...]) -> str | None:
+    """The ``keep_fp32`` entry that keeps ``layer``: equal to it, or its ancestor ("blocks.2" keeps
+    "blocks.2.fc"; "/" separates JAX's named scopes); None when none does."""
+    for name in keep_fp32:
+        if layer == name or layer.startswith((name + ".", name + "/")):
+            return name
+    return None
+
+
+def unmatched_layers(keep_fp32: tuple[str, ...], layers: list[str]) -> None:
+    """PolyampError naming the ``keep_fp32`` entries that keep none of ``layers``."""
+    missing = [k for k in keep_fp32 if not any(kept(layer, (k,)) for layer in layers)]
+    if missing:
+        more = f", ... ({len(layers)} in all)" if len(layers) > 20 else ""
+        shown = ", ".join(map(repr, layers[:20])) + more
+        raise PolyampError(f"keep_fp32 names {', '.join(map(repr, missing))}, which match no layer of "
+                           f"the model; its layers: {shown}")  # fmt: skip
+
+
 class WrongIdiomError(PolyampError, AttributeError):
     """A method of another framework's idiom was called (``mp.scope()`` on a torch run)."""
 
@@ -61,6 +96,11 @@ class MixedPrecision:
     ``process_group`` is the group whose ranks must agree on skipping (default: the world).
     ``guard=False`` turns the finite check off (only without loss scaling); ``debug=True``
     records where a NaN/inf first appears (after ``mp.watch(model)``).
+    ``keep_fp32`` names layers that compute in float32 under a 16-bit policy (``polyamp.doctor``'s
+    recommendation): a name keeps the layer of that name and every layer below it ("blocks.2" keeps
+    "blocks.2.fc"; see ``kept``). Torch, Keras and MXNet apply it at ``mp.watch(model)``, which
+    fails on a name that matches no layer; JAX applies it in ``mp.autocast`` to the equations under
+    that ``jax.named_scope``.
     """
 
     framework: str | None = None  # set by each front end
@@ -77,7 +117,7 @@ class MixedPrecision:
 
     def __init__(self, policy: str | Policy = "bf16-mixed", *, loss_scale=None,
                  framework: str | None = None, device: str | None = None, guard: bool = True,
-                 debug: bool = False, process_group: Any = None):  # fmt: skip
+                 debug: bool = False, process_group: Any = None, keep_fp32: Any = ()):  # fmt: skip
         if framework is not None and canonical_framework(framework) != self.framework:
             raise PolyampError(f"framework={framework!r}, but this is {type(self).__module__}'s "
                                f"MixedPrecision ({self.framework})")  # fmt: skip
@@ -98,6 +138,7 @@ class MixedPrecision:
         self.guard = guard
         self.debug = debug
         self.process_group = process_group
+        self.keep_fp32 = check_keep_fp32(keep_fp32)
         self._setup()
 
     def _setup(self) -> None:
@@ -181,8 +222,9 @@ class MixedPrecision:
         )
 
     def __repr__(self) -> str:
+        keep = f", keep_fp32={self.keep_fp32!r}" if self.keep_fp32 else ""
         return (f"MixedPrecision({self.policy.name!r}, framework={self.framework!r}, "
-                f"scale={self.current_scale:g})")  # fmt: skip
+                f"scale={self.current_scale:g}{keep})")  # fmt: skip
 
 
 class _Unbound(MixedPrecision):

@@ -135,6 +135,11 @@ class Trainer(TrainerBase):
         self.last = self.mp.step(self.opt)
         return float(loss.detach())
 
+    def doctor_inputs(self, i: int = 0) -> tuple:
+        """``polyamp.doctor``'s (model, batch, loss_fn, optimizer) for step ``i``."""
+        x, y = self.wl.batch_at(i)
+        return self.model, (torch.from_numpy(x), torch.from_numpy(y)), _LOSSES[self.wl.loss_kind], self.opt
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         with torch.no_grad(), self.mp.autocast():
             return self.model(torch.from_numpy(x)).float().numpy()

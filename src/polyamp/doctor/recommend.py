@@ -254,7 +254,8 @@ def _check(table, policy: str, fmt: FloatFormat, scaled: bool) -> PolicyCheck:
         for layer in layers
         if "update_ratio" in table[layer] and table[layer]["update_ratio"].total
     }
-    master, master_reason = True, "no update observed: keep fp32 master weights (the safe default)"
+    master = True
+    master_reason = "no update observed (pass optimizer= to observe one): keep them, the safe default"
     if ratios:
         lost = {layer: lost_updates(h, fmt).lost for layer, h in ratios.items()}
         first = next(iter(ratios.values()))

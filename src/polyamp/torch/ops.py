@@ -6,6 +6,7 @@ they are guarded by torch itself reporting the device as available.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
@@ -16,6 +17,7 @@ import torch
 
 from ..eager import EagerOps
 from ..errors import PolyampError, UnsupportedError
+from ..mixed_precision import kept, unmatched_layers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}  # fmt: skip
@@ -64,12 +66,31 @@ class TorchOps(EagerOps):
                             f"model.to({want})"
                         )
 
-    def prepare_model(self, model, policy):
+    def prepare_model(self, model, policy, keep_fp32=()):
         if not isinstance(model, torch.nn.Module):
             raise PolyampError(f"expected a torch.nn.Module, got {type(model).__name__}")
-        if policy.param_dtype != "float32":
-            model.to(_DTYPES[policy.param_dtype])  # floating parameters and buffers only
+        if policy.param_dtype == "float32":
+            return model
+        dtype = _DTYPES[policy.param_dtype]
+        for name, m in model.named_modules():
+            if not kept(name, keep_fp32):
+                for p in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                    if p.is_floating_point():  # as model.to(dtype): in place, the same Parameter
+                        p.data = p.data.to(dtype)
         return model
+
+    def keep_float32(self, model, keep_fp32):
+        """Each outermost module under a ``keep_fp32`` name runs its forward with autocast off and
+        its floating tensor inputs cast to float32 (an instance ``forward`` wrapping the class's)."""
+        if not isinstance(model, torch.nn.Module):
+            raise PolyampError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        modules = dict(model.named_modules())
+        unmatched_layers(keep_fp32, [n for n in modules if n])
+        handles: list[_Float32Forward] = []
+        for name, m in modules.items():
+            if name and kept(name, keep_fp32) and not any(kept(name, (h.name,)) for h in handles):
+                handles.append(_Float32Forward(name, m))
+        return handles
 
     def fingerprint(self, grads):
         return [(weakref.ref(g), g._version) for g in grads]
@@ -195,6 +216,50 @@ class TorchOps(EagerOps):
         handles += [p.register_hook(grad_hook(n)) for n, p in model.named_parameters()
                     if p.requires_grad]  # fmt: skip
         return handles
+
+
+class _Float32Forward:
+    """``module.forward`` in float32: autocast off on the inputs' device types, floating inputs cast."""
+
+    def __init__(self, name: str, module: torch.nn.Module):
+        self.name, self.module = name, module
+        original = module.forward  # the bound class method (or an instance one already there)
+        had_own = "forward" in vars(module)
+
+        def forward(*args, **kwargs):
+            args, kwargs = _to_float32((args, kwargs))
+            devices = {"cpu"} | {t.device.type for t in _tensors((args, kwargs))}
+            with contextlib.ExitStack() as stack:
+                for device in sorted(devices):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+                return original(*args, **kwargs)
+
+        self._restore = (lambda: setattr(module, "forward", original)) if had_own else (
+            lambda: vars(module).pop("forward", None))  # fmt: skip
+        module.forward = forward
+
+    def remove(self) -> None:
+        self._restore()
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+def _to_float32(x):
+    if isinstance(x, torch.Tensor):
+        return x.float() if x.is_floating_point() and x.dtype != torch.float64 else x
+    if isinstance(x, (tuple, list)) and type(x) in (tuple, list):
+        return type(x)(_to_float32(v) for v in x)
+    if isinstance(x, dict) and type(x) is dict:
+        return {k: _to_float32(v) for k, v in x.items()}
+    return x
 
 
 def _all_finite(output) -> bool:

@@ -1,0 +1,52 @@
+"""report.md of a doctor run: the recommendation with its reasons, the heat map, the worst tensors, and
+per layer what each format does (gradients of a loss-scaled format at the recommended scale)."""
+
+from __future__ import annotations
+
+from .report import Report, _pct, _pow2
+
+
+def markdown(report: Report, image: str | None) -> str:
+    r = report.recommendation
+    out = [f"# polyamp doctor — {report.framework}, `{report.model}`", ""]
+    out += [f"{report.steps} float32 step{'s' * (report.steps > 1)} observed in {report.seconds:.2f} s; "
+            f"{len(report.layers)} layers; formats: {', '.join(report.formats)}.", ""]  # fmt: skip
+    out += ["## Recommendation", "", *[f"- {line}" for line in report.summary().splitlines()[:-1]], "",
+            "```python", report.one_liner(), "```", ""]  # fmt: skip
+    if r.nonfinite is not None:
+        out += [f"**The model is non-finite in float32**: {r.nonfinite.line}. Fix that first.", ""]
+    if r.findings:
+        out += ["## Findings", "", "| layer | tensor | format | problem | share | why |",
+                "|---|---|---|---|---:|---|"]  # fmt: skip
+        out += [f"| {f.layer} | {f.kind} | {f.format} | {f.problem} | {_pct(f.fraction)} | {f.line} |"
+                for f in r.findings]  # fmt: skip
+        out.append("")
+    if image:
+        out += ["## Heat map", "", f"![layers x log2 magnitude, with each format's ranges]({image})", "",
+                "Rows: layers; columns: octaves of |x|; colour: share of the layer's elements. Strips "
+                "above each panel: where a cast lands (grey flushed to zero, yellow subnormal, green "
+                "normal, red overflow); gradient strips of loss-scaled formats are at the recommended "
+                "scale.", ""]  # fmt: skip
+    scale = report.initial_scale
+    out += ["## Worst tensors", "", "```", report.table(), "```", ""]
+    for fmt in report.formats:
+        out += _format_table(report, fmt, scale)
+    return "\n".join(out)
+
+
+def _format_table(report: Report, fmt: str, scale: float | None) -> list[str]:
+    at = f" (gradients at loss scale {_pow2(scale)})" if scale and fmt in ("fp16", "e5m2") else ""
+    out = [f"## {fmt}{at}", "", "| layer | tensor | max abs | overflow | flush to 0 | subnormal "
+           "| rel. RMS error | lost updates |", "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for row in report.rows:
+        p = row.formats.get(fmt)
+        if p is None:
+            continue
+        if row.kind == "update_ratio":
+            out.append(f"| {row.layer} | update | | | | | | {_pct(p['lost'])} |")
+            continue
+        q = p.get("at_recommended_scale") or p
+        err = q["rel_rms_error"]
+        out.append(f"| {row.layer} | {row.kind} | {row.amax:.3g} | {_pct(q['overflow'])} "
+                   f"| {_pct(q['flush'])} | {_pct(q['subnormal'])} | {err:.2g} | |")  # fmt: skip
+    return [*out, ""]

@@ -1,0 +1,65 @@
+"""``polyamp.doctor(model, batch, loss_fn=None, ...)``: tap one float32 step in the model's framework,
+then predict and recommend in numpy (``report.build``).
+
+The framework is ``framework`` when given, else the model's (a torch ``nn.Module``, a Keras model, an
+MXNet Gluon block; for JAX the model is the params pytree and ``loss_fn(params, batch)`` is required).
+Its front end's ``polyamp.<framework>.doctor.collect`` does the tapping and says what ``batch``,
+``loss_fn`` and ``optimizer`` are in that framework's idiom; it leaves the model and optimizer as they were.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+from ..errors import PolyampError
+from ..frameworks import canonical_framework, detect
+from ..numerics import get_format
+from .report import Report, build
+
+DEFAULT_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
+
+
+def diagnose(model, batch, loss_fn=None, *, framework: str | None = None, steps: int = 1,
+             formats=DEFAULT_FORMATS, optimizer=None) -> Report:  # fmt: skip
+    """Observe ``steps`` float32 training steps of ``model`` on ``batch`` and report what each of
+    ``formats`` would do to every layer's tensors, with a recommended policy (module docstring)."""
+    formats = check_formats(formats)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise PolyampError(f"steps must be a whole number >= 1, got {steps!r}")
+    name = canonical_framework(framework) if framework is not None else framework_of(model)
+    collect = importlib.import_module(f"polyamp.{name}.doctor").collect
+    start = time.perf_counter()
+    observations = collect(model, batch, loss_fn, steps=steps, optimizer=optimizer)
+    seconds = time.perf_counter() - start
+    return build(observations, formats, framework=name, steps=steps, seconds=seconds,
+                 model=f"{type(model).__module__}.{type(model).__qualname__}")  # fmt: skip
+
+
+def check_formats(formats) -> tuple[str, ...]:
+    """The format names, each known (``get_format`` says what is accepted), at least one."""
+    if isinstance(formats, str):
+        formats = tuple(f for f in formats.split(",") if f.strip())
+    try:
+        formats = tuple(formats)
+    except TypeError:
+        raise PolyampError(f"formats must be format names such as ('fp16', 'bf16'), got {formats!r}"
+                           ) from None  # fmt: skip
+    if not formats:
+        raise PolyampError("formats is empty; name at least one, e.g. ('fp16', 'bf16', 'e4m3fn', 'e5m2')")
+    return tuple(dict.fromkeys(get_format(f).name for f in formats))
+
+
+def framework_of(model) -> str:
+    """The framework of a model, or of the first array leaf of a params pytree (JAX)."""
+    name = detect(model)
+    leaf = model
+    while name is None and isinstance(leaf, (dict, list, tuple)) and leaf:
+        leaf = next(iter(leaf.values())) if isinstance(leaf, dict) else leaf[0]
+        name = detect(leaf)
+    if name is None:
+        raise PolyampError(
+            f"model: expected a torch nn.Module, a Keras model, an MXNet Gluon block or a JAX params pytree "
+            f"(with loss_fn(params, batch)), got {type(model).__module__}.{type(model).__qualname__}"
+        )
+    return name

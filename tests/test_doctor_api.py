@@ -1,0 +1,222 @@
+"""``polyamp.doctor(...)``, its Report, ``polyamp doctor`` and ``keep_fp32`` on real PyTorch."""
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import polyamp as pa
+from polyamp.cli import main
+from polyamp.doctor import Report, diagnose
+
+
+def mlp(scale_first: float = 1.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 4))
+    with torch.no_grad():
+        m[0].weight.mul_(scale_first)
+    return m
+
+
+def batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+
+def test_doctor_is_callable_and_the_package_stays_importable():
+    import polyamp.doctor as d
+
+    m = mlp()
+    report = pa.doctor(m, batch(), nn.functional.cross_entropy)
+    assert isinstance(report, Report) and d.LogHistogram is pa.doctor.LogHistogram
+    assert report.framework == "torch" and report.layers == ("0", "1", "2", "3", "4")
+    assert report.formats == ("fp16", "bf16", "e4m3fn", "e5m2")
+    kinds = {(r.layer, r.kind) for r in report.rows}
+    assert ("0", "grad_output") in kinds and ("4", "weight") in kinds
+    assert not any(k == "update_ratio" for _, k in kinds)  # no optimizer: no update observed
+
+
+def test_a_well_scaled_model_fits_fp16_and_the_recommendation_applies_in_one_line():
+    m = mlp()
+    report = diagnose(m, batch(), nn.functional.cross_entropy, optimizer=torch.optim.Adam(m.parameters()))
+    assert report.policy == "fp16-mixed" and report.keep_fp32 == ()
+    largest = max(r.amax for r in report.rows if r.kind in ("grad_output", "grad_weight"))
+    s = report.initial_scale
+    assert s * largest <= 0.5 * 65504 < 2 * s * largest or s == 2.0**24  # the largest 2^k with margin
+    mp = pa.MixedPrecision(report.policy, loss_scale=report.loss_scale, keep_fp32=report.keep_fp32)
+    assert mp.current_scale == s and isinstance(report.loss_scale, pa.DynamicLossScale)
+    assert report.one_liner() in report.summary() and f"2.0**{int(math.log2(s))}" in report.one_liner()
+
+
+def test_an_overflowing_layer_is_named_first_and_kept_in_fp32():
+    m = mlp(scale_first=1e5)
+    report = diagnose(m, batch(), nn.functional.cross_entropy)
+    assert report.keep_fp32[0] == "0"
+    assert report.worst(1)[0].layer == "0" and report.worst(1)[0].kind in ("output", "weight")
+    first = report.recommendation.findings[0]
+    assert (first.layer, first.problem) == ("0", "overflow")
+    out = next(r for r in report.rows if (r.layer, r.kind) == ("0", "output"))
+    assert out.formats["fp16"]["overflow"] > 0.1 and out.formats["bf16"]["overflow"] == 0
+
+
+def test_a_model_non_finite_in_float32_is_reported_as_such():
+    m = mlp()
+    with torch.no_grad():
+        m[3].bias[0] = math.inf
+    report = diagnose(m, batch(), nn.functional.cross_entropy)
+    assert report.policy == "float32" and report.nonfinite is not None
+    assert report.nonfinite.layer == "3" and "non-finite in float32" in report.summary()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"formats": ("fp16", "fp17")}, "unknown format 'fp17'"),
+        ({"formats": ()}, "formats is empty"),
+        ({"steps": 0}, "steps must be a whole number >= 1"),
+        ({"framework": "caffe"}, "framework"),
+    ],
+)
+def test_bad_arguments_raise_one_clear_error(kwargs, match):
+    with pytest.raises(pa.PolyampError, match=match):
+        pa.doctor(mlp(), batch(), nn.functional.cross_entropy, **kwargs)
+
+
+def test_bad_models_and_batches_raise_one_clear_error():
+    with pytest.raises(pa.PolyampError, match="has no parameters"):
+        pa.doctor(nn.ReLU(), batch(), nn.functional.cross_entropy)
+    with pytest.raises(pa.PolyampError, match="expected a torch nn.Module, a Keras model"):
+        pa.doctor(object(), batch())
+    with pytest.raises(pa.PolyampError, match="expected torch tensors"):
+        pa.doctor(mlp(), (batch()[0].numpy(), batch()[1].numpy()), nn.functional.cross_entropy)
+    with pytest.raises(pa.PolyampError, match=r"input shapes \[\(64, 5\)\]"):
+        pa.doctor(mlp(), (torch.randn(64, 5), batch()[1]), nn.functional.cross_entropy)
+
+
+def test_write_gives_markdown_json_and_a_heat_map(tmp_path):
+    m = mlp(scale_first=1e5)
+    opt = torch.optim.SGD(m.parameters(), 1e-3)
+    report = diagnose(m, batch(), nn.functional.cross_entropy, optimizer=opt)
+    paths = report.write(tmp_path)
+    data = json.loads(paths["json"].read_text())
+    assert data["recommendation"]["policy"] == report.policy and data["apply"] == report.one_liner()
+    assert {h["kind"] for h in data["histograms"]} >= {"output", "grad_output", "update_ratio"}
+    md = paths["md"].read_text()
+    assert "## Findings" in md and "![layers x log2 magnitude" in md and "| 0 | output |" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and paths["png"].stat().st_size > 20_000
+
+
+# -- keep_fp32 ---------------------------------------------------------------------------------------------
+def dtypes_of(model, run):
+    seen = {}
+    hooks = [mod.register_forward_hook(lambda mod, i, o, n=n: seen.__setitem__(n, o.dtype))
+             for n, mod in model.named_modules() if n]  # fmt: skip
+    run()
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_keep_fp32_runs_the_named_layers_in_float32_under_autocast():
+    m, (x, y) = mlp(), batch()
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch", keep_fp32=["3"])
+    mp.watch(m)
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+
+    def run():
+        with mp.autocast():
+            loss = nn.functional.cross_entropy(m(x).float(), y)
+        mp.backward(loss)
+        assert mp.step(opt).stepped
+
+    seen = dtypes_of(m, run)
+    assert seen["3"] == torch.float32 and seen["0"] == torch.bfloat16 and seen["4"] == torch.bfloat16
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
+    assert "keep_fp32=('3',)" in repr(mp)
+
+
+def test_keep_fp32_of_a_parent_keeps_its_children_and_true_policies_keep_their_weights():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    before = m[1][1].weight.detach().clone()
+    mp = pa.MixedPrecision("bf16-true", framework="torch", keep_fp32="1")
+    mp.watch(m)
+    assert m[0].weight.dtype == torch.bfloat16 and m[1][0].weight.dtype == torch.float32
+    assert torch.equal(m[1][1].weight, before)  # untouched, not rounded through bf16
+    with mp.autocast():
+        seen = dtypes_of(m, lambda: m(torch.randn(2, 4)))
+    assert seen == {"0": torch.bfloat16, "1.0": torch.float32, "1.1": torch.float32, "1": torch.float32}
+
+
+def test_keep_fp32_errors():
+    m = mlp()
+    with pytest.raises(pa.PolyampError, match="'nope', which match no layer of the model; its layers: '0'"):
+        pa.MixedPrecision("bf16-mixed", framework="torch", keep_fp32=["nope"]).watch(m)
+    with pytest.raises(pa.PolyampError, match="keep_fp32 must be non-empty layer names"):
+        pa.MixedPrecision("bf16-mixed", framework="torch", keep_fp32=["0", 3])
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch", keep_fp32=["0"])
+    with mp.autocast():
+        loss = nn.functional.cross_entropy(m(batch()[0]).float(), batch()[1])
+    mp.backward(loss)
+    with pytest.raises(pa.PolyampError, match=r"call mp.watch\(model\) once before training"):
+        mp.step(torch.optim.SGD(m.parameters(), 0.1))
+
+
+def test_keep_fp32_is_a_no_op_under_float32_and_unwatching_restores_forward():
+    m = mlp()
+    mp = pa.MixedPrecision("float32", framework="torch", keep_fp32=["0"])
+    mp.watch(m)
+    assert "forward" not in vars(m[0])
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch", keep_fp32=["0"])
+    mp.watch(m)
+    assert "forward" in vars(m[0])
+    for handle in mp._kept:
+        handle.remove()
+    assert "forward" not in vars(m[0])
+
+
+# -- the command line --------------------------------------------------------------------------------------
+def test_cli_on_a_workload(tmp_path, capsys):
+    assert main(["doctor", "--workload", "mlp", "--quick", "--out", str(tmp_path), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "policy:" in out and "apply: mp = polyamp.MixedPrecision(" in out and "fp16 ovf/flush" in out
+    assert (tmp_path / "report.md").exists() and not (tmp_path / "heatmap.png").exists()
+
+
+def test_cli_on_a_users_file_with_json(tmp_path):
+    (tmp_path / "model.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def make():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+            x = torch.randn(32, 4)
+            return {"model": model, "batch": (x, x.sum(1, keepdim=True)), "loss_fn": nn.functional.mse_loss,
+                    "optimizer": torch.optim.SGD(model.parameters(), 0.1)}
+    """))
+    command = [sys.executable, "-m", "polyamp", "doctor", f"{tmp_path / 'model.py'}:make", "--json", "--out",
+               str(tmp_path / "r")]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["framework"] == "torch" and [r["layer"] for r in data["rows"]][:2] == ["0", "0"]
+    assert any(r["kind"] == "update_ratio" for r in data["rows"])
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["doctor", "nofile.py:make"], "no such file"),
+        (["doctor", "--workload", "mlp", "--formats", "fp99"], "unknown format"),
+        (["doctor", "model.py"], "expected FILE.py:function"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(argv, match, capsys):
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
