@@ -3,7 +3,7 @@ per layer what each format does (gradients of a loss-scaled format at the recomm
 
 from __future__ import annotations
 
-from .report import Report, _pct, _pow2
+from .report import SCALED_FORMATS, Report, _pct, _pow2
 
 
 def markdown(report: Report, image: str | None) -> str:
@@ -29,6 +29,16 @@ def markdown(report: Report, image: str | None) -> str:
                 "scale.", ""]  # fmt: skip
     scale = report.initial_scale
     out += ["## Worst tensors", "", "```", report.table(), "```", ""]
+    for fmt in [f for f in report.formats if f in SCALED_FORMATS]:
+        sweep = report.scale_sweep(fmt)
+        if sweep:
+            out += [f"## All gradients in {fmt} against the loss scale", "",
+                    "| loss scale | overflow | flush to 0 | subnormal |", "|---|---:|---:|---:|"]  # fmt: skip
+            mark = " (recommended)" if fmt == "fp16" else " (fp16's recommended)"
+            out += [f"| {_pow2(s['scale'])}{mark * (s['scale'] == scale)} "
+                    f"| {_pct(s['overflow'])} | {_pct(s['flush'])} | {_pct(s['subnormal'])} |"
+                    for s in sweep]  # fmt: skip
+            out.append("")
     for fmt in report.formats:
         out += _format_table(report, fmt, scale)
     return "\n".join(out)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from ..numerics import get_format
 from ..scaling import DynamicLossScale
-from .predict import lost_updates, predict
+from .predict import lost_updates, predict, predict_scales
 from .recommend import GRAD_KINDS, KINDS, Finding, Observation, Recommendation
 
-# gradients are also predicted at these loss scales (torch's default start, and polyamp's maximum)
-USUAL_SCALES = (2.0**16, 2.0**24)
+# gradients of loss-scaled formats are also predicted at these scales (torch starts at 2^16, cap 2^24)
+SWEEP = tuple(2.0**k for k in range(0, 25, 4))
 SCALED_FORMATS = ("fp16", "e5m2")  # formats whose gradients are run under a loss scale
 
 
@@ -116,6 +116,17 @@ class Report:
 
         return sorted(self.rows, key=key)[:n]
 
+    def scale_sweep(self, fmt: str = "fp16") -> list[dict]:
+        """Every observed gradient merged, predicted in ``fmt`` at each loss scale of SWEEP and the
+        recommended one: [{"scale", "overflow", "flush", "subnormal"}], by scale."""
+        grads = [ob.hist for ob in self.observations if ob.kind in GRAD_KINDS and ob.hist.total]
+        if not grads:
+            return []
+        merged = grads[0].merge(*grads[1:])
+        scales = sorted({*SWEEP, *([self.initial_scale] if self.initial_scale else [])})
+        return [{"scale": s, **{k: getattr(p, k) for k in ("overflow", "flush", "subnormal")}}
+                for s, p in zip(scales, predict_scales(merged, fmt, scales))]  # fmt: skip
+
     def summary(self) -> str:
         """The recommendation in a few lines, each with its reason."""
         r = self.recommendation
@@ -174,6 +185,7 @@ class Report:
             "steps": self.steps,
             "seconds": self.seconds,
             "apply": self.one_liner(),
+            "gradients_vs_loss_scale": {f: self.scale_sweep(f) for f in self.formats if f in SCALED_FORMATS},
             "recommendation": _jsonable(self.recommendation.to_json()),
             "rows": [_jsonable(vars(r)) for r in self.rows],
             "histograms": [{"layer": ob.layer, "kind": ob.kind, **ob.hist.to_json()}
@@ -226,7 +238,7 @@ def _row(ob: Observation, formats: tuple[str, ...], scale: float | None) -> Row:
             continue
         p = predict(h, name).to_json()
         if ob.kind in GRAD_KINDS and name in SCALED_FORMATS:
-            scales = sorted({*USUAL_SCALES, *([scale] if scale else [])})
+            scales = sorted({*SWEEP, *([scale] if scale else [])})
             p["at_scale"] = {_pow2(s): predict(h, name, s).to_json() for s in scales}
             if scale:
                 p["at_recommended_scale"] = p["at_scale"][_pow2(scale)]
