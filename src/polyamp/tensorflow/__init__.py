@@ -30,6 +30,9 @@
   with the same scale. ``LossScaleLogger`` puts the scale and the skipped steps into ``fit``'s logs.
 - Under a distribution strategy, build the optimizer before the first ``tf.function`` step
   (TensorFlow cannot initialise mirrored variables created inside it; polyamp says so).
+- ``keep_fp32`` (layer names as ``polyamp.tensorflow.doctor.collect`` gives them): ``mp.watch(model)``
+  sets those layers (and the layers below them) to the "float32" Keras dtype policy (``keep.py``);
+  under a 16-bit policy, ``mp.apply`` and ``mp.optimizer`` ask for that ``watch`` first.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from ..errors import PolyampError
 from ..mixed_precision import MixedPrecision as _Base
 from ..scaling import LossScaleState, NoLossScale
 from ..step import StepResult, check_clip_norm
+from .keep import keep_float32
 from .model_check import check_model_layers, check_traced_loss
 from .policies import KERAS_POLICIES, check_keras, keras_policy, keras_scope
 from .step import LossScaleVariables, attach, check_optimizer, check_pairs, run_step, variable_name
@@ -56,6 +60,7 @@ class MixedPrecision(_Base):
     def _setup(self) -> None:
         self._names: dict[int, str] = {}
         self._variables: LossScaleVariables | None = None
+        self._kept: list[str] = []  # the layers mp.watch set to float32 for keep_fp32
 
     @property
     def state(self) -> LossScaleState:
@@ -94,6 +99,7 @@ class MixedPrecision(_Base):
         check_keras()
         keras_policy(self.policy)
         check_optimizer(optimizer)
+        self._check_kept()
         return PolyampOptimizer(self, optimizer)
 
     def callback(self):
@@ -130,6 +136,7 @@ class MixedPrecision(_Base):
         check_optimizer(optimizer)
         grads, variables = check_pairs(grads, variables)
         check_clip_norm(clip_grad_norm)
+        self._check_kept()
         attach(optimizer, self.loss_scale_variables())
         # mp.scale did the scaling: an inner factor would divide the update again (cleared as
         # LossScaleOptimizer clears it)
@@ -138,13 +145,24 @@ class MixedPrecision(_Base):
 
     def watch(self, model: Any) -> Any:
         """Learn the model's variable names (for ``StepResult.nonfinite``); warns when the model
-        computes in float32 under a 16-bit policy (built outside ``mp.scope()``)."""
+        computes in float32 under a 16-bit policy (built outside ``mp.scope()``). Under a 16-bit
+        policy the ``keep_fp32`` layers (and those below them) take the "float32" dtype policy from
+        here on; a name that matches no layer is an error."""
         self._check_mine(model, "model")
         if not isinstance(model, (keras.layers.Layer, tf.Module)):
             raise PolyampError(f"expected a Keras model or layer, got {type(model).__name__}")
         check_model_layers(model, self.policy)
+        if self.keep_fp32 and self.policy.compute_dtype != "float32":
+            self._kept += keep_float32(model, self.keep_fp32)
         self._names.update({id(v): variable_name(v) for v in model.variables})
         return model
+
+    def _check_kept(self) -> None:
+        if self.keep_fp32 and self.policy.compute_dtype != "float32" and not self._kept:
+            raise PolyampError(
+                f"keep_fp32={self.keep_fp32!r} applies to a model: call mp.watch(model) once before "
+                "training (before mp.optimizer(...) for fit), so that those layers compute in float32"
+            )
 
 
 # the fit path; imported here so that Keras can find PolyampOptimizer when a .keras file loads
