@@ -176,6 +176,11 @@ class Trainer(TrainerBase):
     def _predict(self, x):
         return tf.cast(self.model(x, training=False), tf.float32)
 
+    def doctor_inputs(self, i: int = 0) -> tuple:
+        """``polyamp.doctor``'s (model, batch, loss_fn in Keras's (y_true, y_pred) order, optimizer)."""
+        x, y = (tf.convert_to_tensor(a) for a in self.wl.batch_at(i))
+        return self.model, (x, y), lambda y_true, y_pred: self._loss(y_pred, y_true), self.opt
+
     def step(self, i: int) -> float:
         x, y = self.wl.batch_at(i)
         loss, stepped, scale = self._train(x, y)

@@ -12,9 +12,11 @@ Rules (the thresholds are the named constants below, each with its reason):
      capped at MAX_LOSS_SCALE, over every output gradient and the weight gradients of layers not kept
      (a kept layer computes its weight gradient in fp32; its output gradient comes from the next layer);
    - a layer whose gradients (output and weight, merged) flush to zero beyond GRAD_UNDERFLOW_MAX at S;
-   - updates: lost (``predict.lost_updates``) in the policy's format; master weights are needed when the
-     model-wide lost fraction, or the count of layers past it, is too large; otherwise the few layers
-     past LOST_UPDATES_MAX are kept in fp32.
+   - updates: lost (``predict.lost_updates``) in weights stored in the policy's format; fp32 master
+     weights are needed when the model-wide lost fraction or any layer's is past LOST_UPDATES_MAX (a
+     mixed policy keeps them anyway: this says whether its "-true" form, low-precision weights, would
+     train). Lost updates keep no layer in fp32: keep_fp32 changes where a layer computes, not where
+     its weights are stored.
    A check is feasible when it keeps fewer than all layers and at most max(1, MAX_KEEP_FRACTION * layers).
 3. The policy is fp16-mixed when feasible (3 more mantissa bits than bf16), else bf16-mixed when feasible
    (float32's range, no loss scale), else float32.
@@ -261,16 +263,16 @@ def _check(table, policy: str, fmt: FloatFormat, scaled: bool) -> PolicyCheck:
         first = next(iter(ratios.values()))
         overall = lost_updates(first.merge(*list(ratios.values())[1:]), fmt).lost
         many = [layer for layer, f in lost.items() if f > LOST_UPDATES_MAX]
-        master = overall > LOST_UPDATES_MAX or len(many) > max(1, MAX_KEEP_FRACTION * len(layers))
+        master = overall > LOST_UPDATES_MAX or bool(many)
+        top = max(many, key=lost.__getitem__, default=None)
+        worst = f"; worst {top!r}: {_pct(lost[top])}" if top else ""
         master_reason = (
             f"{_pct(overall)} of weight updates are below half an ulp in {fmt.name} "
-            f"({len(many)} layers past {_pct(LOST_UPDATES_MAX)})"
+            f"({len(many)} layers past {_pct(LOST_UPDATES_MAX)}{worst})"
         )
         for layer in many:
             line = f"updates lost in {fmt.name} weights: {_pct(lost[layer])}"
             findings.append(Finding(layer, "update_ratio", fmt.name, "lost_updates", lost[layer], line))
-            if not master:
-                keep.setdefault(layer, line)
     feasible = len(keep) < len(layers) and len(keep) <= max(1, MAX_KEEP_FRACTION * len(layers))
     order = {"overflow": 0, "underflow": 1, "lost_updates": 2}
     findings.sort(key=lambda f: order[f.problem])  # stable: layer order within a problem
