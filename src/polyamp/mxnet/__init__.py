@@ -11,6 +11,11 @@
 
 The step is ``polyamp.eager``'s; ``ops.py`` holds MXNet's primitives and the process-wide
 contrib.amp set-up (why it must come before the network is built: its module docstring).
+
+``keep_fp32=("body.1", ...)`` (the layer names of ``polyamp.mxnet.doctor.collect``, i.e. paths of child
+block names) is applied by ``mp.watch(net)``: each named HybridBlock, and every block below it, runs
+its ``hybrid_forward`` with the operators contrib.amp replaced put back and its inputs cast to
+float32, imperatively and hybridized alike (``keep.keep_float32``).
 """
 
 from __future__ import annotations

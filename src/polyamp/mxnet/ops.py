@@ -14,6 +14,9 @@ must not update on the kvstore, where no one could check or skip the update.
 contrib.amp also makes the loss-output ops (``SoftmaxOutput``, ``LinearRegressionOutput``, ...)
 multiply their gradient by one process-wide scale, read when the op runs; polyamp sets it to the
 scale of the MixedPrecision used last (see ``_LossOutputs``).
+
+float32 under contrib.amp (``keep_fp32``, the doctor) and the layers' names are ``keep.py``'s,
+imported here before any ``amp.init``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 from ..eager import EagerOps
 from ..errors import PolyampError, UnsupportedError
 from ..scaling import NoLossScale, StaticLossScale
+from .keep import dtype_name, keep_float32
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -38,13 +42,10 @@ with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated si
     from mxnet import autograd, gluon
     from mxnet.contrib import amp
 
+
 PREPARED: weakref.WeakSet = weakref.WeakSet()  # the trainers mp.trainer() prepared
 FLOAT_KINDS = ("float16", "float32", "float64", "bfloat16")
 _amp_dtype: str | None = None  # the dtype polyamp initialised contrib.amp with in this process
-
-
-def dtype_name(dtype) -> str:
-    return "bfloat16" if np.dtype(dtype).names == ("bfloat16",) else np.dtype(dtype).name
 
 
 def check_trainer(trainer) -> None:
@@ -295,6 +296,9 @@ class MXNetOps(EagerOps):
             trainer.update(batch_size)
 
     # -- names and debugging -----------------------------------------------------------------------
+    def keep_float32(self, model, keep_fp32):
+        return keep_float32(model, keep_fp32)
+
     def parameter_names(self, model) -> dict[int, str]:
         if not isinstance(model, gluon.Block):
             raise PolyampError(f"expected a mxnet.gluon.Block, got {type(model).__name__}")
