@@ -238,6 +238,18 @@ class Trainer(TrainerBase):
             return mx.nd.mean(mx.nd.square(out - mx.nd.array(y)))
         return mx.nd.mean(self._ce(out, mx.nd.array(y, dtype="float32")))
 
+    def doctor_inputs(self, i: int = 0) -> tuple:
+        """``polyamp.doctor``'s (model, batch, loss_fn, optimizer) for step ``i``."""
+        x, y = self.wl.batch_at(i)
+
+        def loss_fn(out, target):
+            if self.wl.loss_kind == "mse":
+                return mx.nd.mean(mx.nd.square(out - target))
+            return mx.nd.mean(self._ce(out, target))
+
+        inputs = tuple(self._inputs(x))
+        return self.model, (inputs, mx.nd.array(y, dtype="float32")), loss_fn, self.trainer
+
     def step(self, i: int) -> float:
         x, y = self.wl.batch_at(i)
         with autograd.record():
