@@ -6,6 +6,12 @@ The networks are pure functions of a params dict holding the numpy weights of ``
 finite (a ``lax.cond`` on the device, no host round trip); every policy, float32 included, runs
 this same code. ``infer`` runs the autocast network on the weights cast once to the compute dtype
 (jmp's idiom); memory: the residuals of ``jax.vjp`` and the compiled step's ``memory_analysis()``.
+
+Each layer runs in a ``jax.named_scope`` (metadata only: the compiled step is the same), so the
+doctor (``polyamp.jax.doctor``) and ``keep_fp32`` see named layers: ``fc0``..``fc2`` (mlp);
+``block0/ln1``, ``block0/attn/q``..``/o``, ``block0/attn`` (scores, softmax, weighted sum),
+``block0/ln2``, ``block0/ff1``, ``block0/ff2``, ``block0`` (residuals, GELU), ``lnf``, ``head``
+(charlm; its ``embed`` and ``pos`` are read outside any scope).
 """
 
 from __future__ import annotations
@@ -25,14 +31,22 @@ from .protocol import Saved, TrainerBase
 from .workloads import Workload
 
 
+def _scope(name: str):
+    """The named scope of the layer whose weights are ``name.*``: its last part (``block0.ff1`` ->
+    ``ff1``, inside the block's own scope)."""
+    return jax.named_scope(name.rpartition(".")[2])
+
+
 def dense(p: dict, name: str, x, mm=jnp.matmul):
-    return mm(x, p[name + ".w"]) + p[name + ".b"]
+    with _scope(name):
+        return mm(x, p[name + ".w"]) + p[name + ".b"]
 
 
 def layer_norm(p: dict, name: str, x, eps: float = 1e-5):
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + eps) * p[name + ".g"] + p[name + ".b"]
+    with _scope(name):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + eps) * p[name + ".g"] + p[name + ".b"]
 
 
 def mlp(wl: Workload, p: dict, x, mm=jnp.matmul):
@@ -44,7 +58,12 @@ def mlp(wl: Workload, p: dict, x, mm=jnp.matmul):
 
 
 def attention(p: dict, prefix: str, x, heads: int, mm=jnp.matmul):
-    """Causal multi-head self-attention with separate q/k/v/o dense layers."""
+    """Causal multi-head self-attention with separate q/k/v/o dense layers (scope ``attn``)."""
+    with jax.named_scope("attn"):
+        return _attention(p, prefix, x, heads, mm)
+
+
+def _attention(p: dict, prefix: str, x, heads: int, mm):
     b, t, d = x.shape
 
     def split(name):
@@ -62,9 +81,10 @@ def charlm(wl: Workload, p: dict, ids, mm=jnp.matmul):
     x = p["embed"][ids] + p["pos"][: ids.shape[1]]
     for i in range(wl.layers):
         pre = f"block{i}."
-        x = x + attention(p, pre, layer_norm(p, pre + "ln1", x), wl.heads, mm)
-        h = jax.nn.gelu(dense(p, pre + "ff1", layer_norm(p, pre + "ln2", x), mm), approximate=False)
-        x = x + dense(p, pre + "ff2", h, mm)
+        with jax.named_scope(f"block{i}"):
+            x = x + attention(p, pre, layer_norm(p, pre + "ln1", x), wl.heads, mm)
+            h = jax.nn.gelu(dense(p, pre + "ff1", layer_norm(p, pre + "ln2", x), mm), approximate=False)
+            x = x + dense(p, pre + "ff2", h, mm)
     return dense(p, "head", layer_norm(p, "lnf", x), mm)
 
 

@@ -48,7 +48,9 @@ class MixedPrecision(_Base):
 
     def autocast(self, fn=None, *, enabled: bool = True, rules: AutocastRules | None = None):
         """``fn`` rewritten so its matmuls and convolutions run in the compute dtype (float32
-        accumulation), reductions and exp/log in float32; ``rules`` is an ``AutocastRules`` table."""
+        accumulation), reductions and exp/log in float32; ``rules`` is an ``AutocastRules`` table.
+        The equations under the ``jax.named_scope`` paths that ``mp.keep_fp32`` names run as traced,
+        in float32; a name that matches no scope of ``fn`` raises when ``fn`` is traced."""
         if fn is None:
             raise PolyampError("JAX has no autocast context; mp.autocast rewrites a function: "
                                f"f = mp.autocast(loss_fn{', rules=rules' if rules is not None else ''})")
@@ -64,7 +66,7 @@ class MixedPrecision(_Base):
         if not (enabled and policy.compute_dtype in ("bfloat16", "float16")):
             return fn
         _check_device_supports(policy.compute_dtype)
-        return _autocast.autocast(fn, policy.compute_dtype, policy.output_dtype, rules)
+        return _autocast.autocast(fn, policy.compute_dtype, policy.output_dtype, rules, self.keep_fp32)
 
     def __getattr__(self, name: str):
         if name in ("backward", "step", "apply"):  # the eager and Keras steps

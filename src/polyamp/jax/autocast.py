@@ -26,6 +26,16 @@ rules: ``jit``/``closed_call`` are inlined, ``remat`` is re-wrapped in ``jax.che
 (loop carries and branch outputs keep the dtypes they had, so loop types stay fixed), and
 ``custom_jvp``/``custom_vjp`` functions get an autocast primal while their custom derivative rule
 runs as written, in the dtypes the function was traced with.
+
+Layers kept in float32 (``keep_fp32``, ``polyamp.doctor``'s recommendation): an equation's layer is its
+``jax.named_scope`` path, the ``Scope`` entries of its ``source_info.name_stack`` joined by "/" and
+prefixed by those of the equations whose sub-jaxpr holds it (``block1/ff1``; the doctor's layer names).
+An equation whose path a ``keep_fp32`` name keeps (``mixed_precision.kept``: the name or one of its
+ancestors) runs as traced, on its inputs cast back to the traced dtypes (float32), with JAX's own
+derivative; a ``jit`` or a loop under a kept name runs whole that way. A parameter that equations outside
+any scope read is a layer named by its pytree path within its argument (``embed``, ``blocks/0/w``; the
+doctor names it so too): keeping it keeps those equations (``jit`` and ``closed_call`` looked into). Names
+that keep nothing raise (``mixed_precision.unmatched_layers``) when the function is traced.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from ..errors import PolyampError
+from ..mixed_precision import kept, unmatched_layers
 from . import layout
 
 _REDUCTIONS = ("reduce_sum reduce_prod reduce_max reduce_min argmax argmin cumsum cumprod cumlogsumexp "
@@ -181,13 +192,19 @@ _BILINEAR = frozenset({"dot_general", "conv_general_dilated"})
 class Interpreter:
     """Evaluates jaxprs with the autocast rules for one compute and output dtype."""
 
-    def __init__(self, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES):
+    def __init__(self, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES,
+                 keep_fp32: tuple[str, ...] = ()):  # fmt: skip
         self.compute = jnp.dtype(compute)
         self.output = jnp.dtype(output)
         self.rules = rules
+        self.keep_fp32 = tuple(keep_fp32)
+        self.leaves: dict[int, str] = {}  # id of an argument leaf's value -> its name, during one call
+        self.read_outside: dict[str, None] = {}  # the names of those that equations outside any scope read
 
     # -- jaxprs -----------------------------------------------------------------------------------
-    def eval_jaxpr(self, jaxpr, consts, args) -> list:
+    def eval_jaxpr(self, jaxpr, consts, args, scope: tuple[str, ...] | None = ()) -> list:
+        """Evaluate ``jaxpr``; ``scope``: the scope path it runs under (None: keep no layer in float32,
+        for the transposes that custom VJPs trace)."""
         env: dict = {}
 
         def read(v):
@@ -201,21 +218,39 @@ class Interpreter:
             if id(eqn) in skip:
                 continue
             eqn = swapped.get(id(eqn), eqn)
-            outs = self.eval_eqn(eqn, [read(v) for v in eqn.invars])
+            path = None if scope is None else scope + name_scopes(eqn)
+            invals = [read(v) for v in eqn.invars]
+            if self._kept(eqn, invals, path):
+                outs = _bind_original(eqn, *invals)
+            else:
+                outs = self.eval_eqn(eqn, invals, path)
             for var, val in zip(eqn.outvars, outs):
                 if not isinstance(var, jcore.DropVar):
                     env[var] = val
         return [read(v) for v in jaxpr.outvars]
 
-    def eval_closed(self, closed, args) -> list:
-        return self.eval_jaxpr(closed.jaxpr, closed.consts, args)
+    def eval_closed(self, closed, args, scope: tuple[str, ...] | None = ()) -> list:
+        return self.eval_jaxpr(closed.jaxpr, closed.consts, args, scope)
+
+    def _kept(self, eqn, invals, path) -> bool:
+        """Whether ``eqn`` (at scope ``path``) computes in float32 for ``keep_fp32``."""
+        if not self.keep_fp32 or path is None:
+            return False
+        if path:
+            return kept("/".join(path), self.keep_fp32) is not None
+        if eqn.primitive.name in _LOOKED_INTO or not self.leaves:
+            return False
+        names = [self.leaves[id(x)] for x in invals if id(x) in self.leaves]
+        self.read_outside.update(dict.fromkeys(names))
+        return any(kept(name, self.keep_fp32) for name in names)
 
     # -- one equation ---------------------------------------------------------------------------
-    def eval_eqn(self, eqn, invals) -> list:
+    def eval_eqn(self, eqn, invals, scope: tuple[str, ...] | None = ()) -> list:
+        """One equation under the rules; ``scope``: its own scope path (for its sub-jaxprs)."""
         name = eqn.primitive.name
         handler = _STRUCTURED.get(name)
         if handler is not None:
-            return handler(self, eqn, invals)
+            return handler(self, eqn, invals, scope)
         kind = self.rules.kind(name)
         if kind is None:
             _warn_unknown(name)
@@ -283,7 +318,7 @@ class Interpreter:
     def call(self, fn, *args) -> list:
         """``fn(*args)`` evaluated with the rules; the flat list of outputs."""
         closed = jax.make_jaxpr(fn)(*args)
-        return self.eval_closed(closed, jax.tree.leaves(args))
+        return self.eval_closed(closed, jax.tree.leaves(args), None)
 
     @staticmethod
     def _widest(eqn, invals) -> list:
@@ -295,59 +330,62 @@ class Interpreter:
         return [_cast(x, target) for x in invals]
 
     # -- primitives with sub-jaxprs ------------------------------------------------------------------
-    def _inline(self, eqn, invals):
+    def _inline(self, eqn, invals, scope):
         closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         if isinstance(closed, jcore.ClosedJaxpr):
-            return self.eval_closed(closed, invals)
-        return self.eval_jaxpr(closed, (), invals)
+            return self.eval_closed(closed, invals, scope)
+        return self.eval_jaxpr(closed, (), invals, scope)
 
-    def _remat(self, eqn, invals):
+    def _remat(self, eqn, invals, scope):
         p = eqn.params
-        body = functools.partial(self.eval_jaxpr, p["jaxpr"], ())
+
+        def body(xs):
+            return self.eval_jaxpr(p["jaxpr"], (), xs, scope)
+
         return jax.checkpoint(lambda *xs: body(xs), prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
 
-    def _scan(self, eqn, invals):
+    def _scan(self, eqn, invals, scope):
         p = eqn.params
         nc, ncarry = p["num_consts"], p["num_carry"]
         consts, carry, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
         carry_dtypes = _avals_dtypes(eqn.invars[nc : nc + ncarry])
 
         def body(c, x):
-            outs = self.eval_closed(p["jaxpr"], [*consts, *c, *x])
+            outs = self.eval_closed(p["jaxpr"], [*consts, *c, *x], scope)
             return _cast_all(outs[:ncarry], carry_dtypes), outs[ncarry:]
 
         carry, ys = lax.scan(body, _cast_all(carry, carry_dtypes), xs, length=p["length"],
                              reverse=p["reverse"], unroll=p["unroll"])  # fmt: skip
         return [*carry, *ys]
 
-    def _while(self, eqn, invals):
+    def _while(self, eqn, invals, scope):
         p = eqn.params
         nc, nb = p["cond_nconsts"], p["body_nconsts"]
         cconsts, bconsts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
         dtypes = _avals_dtypes(eqn.invars[nc + nb :])
 
         def cond(c):
-            return self.eval_closed(p["cond_jaxpr"], [*cconsts, *c])[0]
+            return self.eval_closed(p["cond_jaxpr"], [*cconsts, *c], scope)[0]
 
         def body(c):
-            return _cast_all(self.eval_closed(p["body_jaxpr"], [*bconsts, *c]), dtypes)
+            return _cast_all(self.eval_closed(p["body_jaxpr"], [*bconsts, *c], scope), dtypes)
 
         return list(lax.while_loop(cond, body, _cast_all(carry, dtypes)))
 
-    def _cond(self, eqn, invals):
+    def _cond(self, eqn, invals, scope):
         index, ops = invals[0], invals[1:]
         dtypes = _avals_dtypes(eqn.outvars)
         branches = [
-            lambda *xs, b=b: _cast_all(self.eval_closed(b, xs), dtypes) for b in eqn.params["branches"]
+            lambda *xs, b=b: _cast_all(self.eval_closed(b, xs, scope), dtypes) for b in eqn.params["branches"]
         ]
         return list(lax.switch(index, branches, *ops))
 
-    def _custom_jvp(self, eqn, invals):
+    def _custom_jvp(self, eqn, invals, scope):
         """Autocast primal; the jvp rule runs as written on the inputs cast to their traced dtypes."""
         call = eqn.params["call_jaxpr"]
         dtypes = _avals_dtypes(eqn.invars)
         original = functools.partial(_bind_original, eqn)
-        primal = jax.custom_jvp(lambda *xs: self.eval_closed(call, xs))
+        primal = jax.custom_jvp(lambda *xs: self.eval_closed(call, xs, scope))
 
         def jvp(primals, tangents):
             outs = primal(*primals)
@@ -357,13 +395,13 @@ class Interpreter:
         primal.defjvp(jvp)
         return primal(*invals)
 
-    def _custom_vjp(self, eqn, invals):
+    def _custom_vjp(self, eqn, invals, scope):
         """Autocast primal; the fwd/bwd rules run as written on values cast to their traced dtypes."""
         call = eqn.params["call_jaxpr"]
         dtypes, out_dtypes = _avals_dtypes(eqn.invars), _avals_dtypes(eqn.outvars)
         in_dtypes = [_dtype(x) for x in invals]
         original = functools.partial(_bind_original, eqn)
-        primal = jax.custom_vjp(lambda *xs: self.eval_closed(call, xs))
+        primal = jax.custom_vjp(lambda *xs: self.eval_closed(call, xs, scope))
 
         def fwd(*xs):
             _, vjp_fn = jax.vjp(original, *_cast_all(xs, dtypes))
@@ -375,6 +413,8 @@ class Interpreter:
         primal.defvjp(fwd, bwd)
         return primal(*invals)
 
+
+_LOOKED_INTO = frozenset({"jit", "pjit", "closed_call", "core_call", "call"})  # for parameters' reads
 
 _STRUCTURED = {
     "jit": Interpreter._inline,
@@ -390,6 +430,28 @@ _STRUCTURED = {
     "custom_jvp_call": Interpreter._custom_jvp,
     "custom_vjp_call": Interpreter._custom_vjp,
 }
+
+
+def name_scopes(eqn) -> tuple[str, ...]:
+    """The ``jax.named_scope`` names an equation was traced under, outermost first, relative to the
+    jaxpr that holds it (transforms such as ``jvp`` left out)."""
+    return tuple(s.name for s in eqn.source_info.name_stack.stack if type(s).__name__ == "Scope")
+
+
+def leaf_name(path) -> str:
+    """A pytree leaf's name from its key path: the keys joined by "/" (``embed``, ``blocks/0/w``)."""
+    names = (next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k) for k in path)
+    return "/".join(map(str, names))
+
+
+def scope_paths(jaxpr, scope: tuple[str, ...] = ()):
+    """The scope path of every equation of ``jaxpr`` and of its sub-jaxprs (with duplicates)."""
+    for eqn in jaxpr.eqns:
+        path = scope + name_scopes(eqn)
+        if path:
+            yield "/".join(path)
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            yield from scope_paths(sub, path)
 
 
 def _bind_original(eqn, *invals) -> list:
@@ -415,15 +477,17 @@ def check_arguments(fn, rules) -> None:
                            f"{type(rules).__name__}")  # fmt: skip
 
 
-def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES):
-    """``fn`` rewritten so each primitive runs under ``rules`` (see the module docstring).
+def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES,
+             keep_fp32: tuple[str, ...] = ()):  # fmt: skip
+    """``fn`` rewritten so each primitive runs under ``rules`` (see the module docstring), the
+    equations under the ``keep_fp32`` scopes in float32.
 
     The result traces ``fn`` with ``jax.make_jaxpr`` on every call (inside ``jit`` that is once
     per compilation), evaluates the jaxpr with the rules, and casts each output back to the dtype
     ``fn`` returns, so a float32 loss stays float32.
     """
     check_arguments(fn, rules)
-    interpreter = Interpreter(compute, output, rules)
+    interpreter = Interpreter(compute, output, rules, keep_fp32)
 
     @functools.wraps(fn)
     def autocast_fn(*args, **kwargs):
@@ -434,10 +498,22 @@ def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES
             return fn(*a, **k)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
-        outs = interpreter.eval_closed(closed, leaves)
+        if keep_fp32:  # each leaf named within its argument, as the doctor names params
+            paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+            named = zip(leaves, (leaf_name(path[2:]) for path, _ in paths))
+            interpreter.leaves = {id(x): name for x, name in named if name}
+            interpreter.read_outside = {}
+        try:
+            outs = interpreter.eval_closed(closed, leaves)
+        finally:
+            interpreter.leaves = {}
+        if keep_fp32:
+            layers = [*dict.fromkeys(scope_paths(closed.jaxpr)), *interpreter.read_outside]
+            unmatched_layers(tuple(keep_fp32), layers)
         outs = _cast_all(outs, [a.dtype for a in closed.out_avals])
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return autocast_fn
 
-__all__ = ["CLASSES", "DEFAULT_RULES", "AutocastRules", "Interpreter", "autocast", "check_arguments"]
+__all__ = ["CLASSES", "DEFAULT_RULES", "AutocastRules", "Interpreter", "autocast", "check_arguments",
+           "leaf_name", "name_scopes", "scope_paths"]
