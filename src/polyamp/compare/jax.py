@@ -163,6 +163,12 @@ class Trainer(TrainerBase):
         self.last = StepResult(bool(finite), self.mp.current_scale)
         return float(loss)
 
+    def doctor_inputs(self, i: int = 0) -> tuple:
+        """``polyamp.doctor``'s (params, batch, loss_fn(params, batch), (optimizer, opt_state))."""
+        wl = self.wl
+        batch = inputs(wl, *wl.batch_at(i))
+        return self.params, batch, lambda p, b: loss_fn(wl, p, *b), (self.opt, self.opt_state)
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(self._forward(self.params, _array(x)), np.float32)
 

@@ -64,7 +64,7 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
     saved = [(p, p.detach().clone() if optimizer is not None else None, p.grad) for p in params]
     buffers = [(name, b, b.detach().clone()) for name, b in model.named_buffers()]
     modes = [(m, m.training) for m in model.modules()]
-    opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    opt_state = _OptimizerSnapshot(optimizer) if optimizer is not None else None
     # what an LR scheduler reads to tell whether optimizer.step() ran; outside state_dict
     opt_called = vars(optimizer).get("_opt_called") if optimizer is not None else None
     found: dict[tuple[str, str], list[LogHistogram]] = defaultdict(list)
@@ -115,12 +115,33 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
         for m, training in modes:
             m.training = training
         if optimizer is not None:
-            optimizer.load_state_dict(opt_state)
+            opt_state.restore()
             vars(optimizer).pop("_opt_called", None)
             if opt_called is not None:
                 optimizer._opt_called = opt_called
     return [Observation(name, kind, found[name, kind][0].merge(*found[name, kind][1:]))
             for name, _, _ in layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
+
+
+class _OptimizerSnapshot:
+    """An optimizer's per-parameter state (tensors cloned: ``deepcopy`` of a state dict copies them
+    3x slower here) and its groups' hyper-parameters; ``restore`` puts both back, so that the state
+    holds the clones and parameters without state before have none again."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.state = {p: {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in s.items()}
+                      for p, s in optimizer.state.items()}  # fmt: skip
+        self.groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                       for g in optimizer.param_groups]  # fmt: skip
+
+    def restore(self) -> None:
+        state = self.optimizer.state
+        for p in [p for p in state if p not in self.state]:
+            del state[p]
+        state.update(self.state)
+        for group, saved in zip(self.optimizer.param_groups, self.groups):
+            group.update(saved)
 
 
 def _update(p: torch.Tensor, before: torch.Tensor, scratch: _Scratch) -> LogHistogram:

@@ -1,0 +1,120 @@
+"""The doctor's underflow prediction against a real fp16 step, in JAX (issue 14, must-show 1).
+
+    python benchmarks/doctor_underflow_jax.py [--quick] [--json]
+
+JAX because its fp16 runs at about float32's speed on this CPU (torch's CPU fp16 matmuls are ~100x
+slower). Two models, each with its layers in ``jax.named_scope``s:
+- ``charlm``: the compare workload's transformer (``polyamp.compare.jax``), its loss in float32 as
+  compare trains it (the logits are cast up before the log-softmax);
+- ``deep_mlp``: 8 tanh layers of width 256 with a 1e-3 loss weight on a mean squared error, whose
+  activation gradients are small.
+
+Predicted: ``polyamp.doctor(params, batch, loss_fn)`` on the float32 model, per layer the share of its
+output gradient ("grad_output") that flushes to zero in fp16 at loss scale 1 (``rows`` -> ``formats
+["fp16"]["flush"]``). Observed: the same step run in fp16 (params and floating inputs cast to fp16,
+every op computing in fp16, the loss as the model writes it), its output gradients observed by the same
+taps (``polyamp.jax.doctor.collect``, which bins exactly what the fp16 program computed): the share of
+elements exactly zero in fp16 less the share already zero in float32 (ReLU-like zeros are not
+flushes). Claim: every layer within 2 percentage points. Where the two differ: the fp16 step's
+gradients are computed from fp16 activations and upstream fp16 gradients (each off by up to 2^-11
+relative, and a gradient flushed upstream is zero downstream); values within that of the flush
+threshold fall the other way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import polyamp as pa
+from polyamp.compare import jax as compare_jax
+from polyamp.compare.workloads import get_workload
+from polyamp.jax.doctor import collect
+
+TOLERANCE = 0.02  # the issue's 2 percentage points
+LOSS_WEIGHT = 1e-3
+
+
+def charlm(quick: bool):
+    wl = get_workload("charlm", quick=quick)
+    params = {k: jnp.asarray(v) for k, v in wl.weights.items()}
+    return params, compare_jax.inputs(wl, *wl.batch_at(0)), lambda p, b: compare_jax.loss_fn(wl, p, *b)
+
+
+def deep_mlp(quick: bool):
+    width, depth, batch = (64, 4, 64) if quick else (256, 8, 256)
+    rng = np.random.default_rng(0)
+    params = {}
+    for i in range(depth):
+        fan_out = 1 if i == depth - 1 else width
+        params[f"fc{i}.w"] = jnp.asarray(rng.normal(0, 1 / np.sqrt(width), (width, fan_out)), jnp.float32)
+        params[f"fc{i}.b"] = jnp.zeros(fan_out, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(batch, width)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32)
+
+    def loss(p, b):
+        h, target = b
+        for i in range(depth):
+            with jax.named_scope(f"fc{i}"):
+                h = h @ p[f"fc{i}.w"] + p[f"fc{i}.b"]
+                h = jnp.tanh(h) if i < depth - 1 else h
+        return LOSS_WEIGHT * jnp.mean((h - target) ** 2)
+
+    return params, (x, y), loss
+
+
+def to_fp16(tree):
+    def cast(a):
+        return a.astype(jnp.float16) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def check(name: str, make, quick: bool) -> dict:
+    params, batch, loss = make(quick)
+    report = pa.doctor(params, batch, loss)
+    predicted = {r.layer: r.formats["fp16"]["flush"] for r in report.rows if r.kind == "grad_output"}
+    fp32 = {ob.layer: ob.hist for ob in collect(params, batch, loss) if ob.kind == "grad_output"}
+    fp16 = {ob.layer: ob.hist for ob in collect(to_fp16(params), to_fp16(batch), loss)
+            if ob.kind == "grad_output"}  # fmt: skip
+    rows = []
+    for layer, p in predicted.items():
+        h32, h16 = fp32[layer], fp16[layer]
+        observed = (h16.zeros - h32.zeros) / h16.total
+        rows.append({"layer": layer, "elements": h16.total, "predicted": p, "observed": observed,
+                     "gap": observed - p, "fp32_zeros": h32.zeros / h32.total})  # fmt: skip
+    worst = max(rows, key=lambda r: abs(r["gap"]))
+    return {"model": name, "rows": rows, "largest_gap": worst["gap"], "largest_gap_layer": worst["layer"],
+            "holds": all(abs(r["gap"]) <= TOLERANCE for r in rows)}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes (the tests')")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    results = [check("charlm", charlm, args.quick), check("deep_mlp", deep_mlp, args.quick)]
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print(f"jax {jax.__version__}: fp16 flush-to-zero of each layer's output gradient at loss scale 1")
+        for res in results:
+            print(f"\n== {res['model']}")
+            print(f"{'layer':18s} {'elements':>10s} {'predicted':>10s} {'observed':>10s} {'gap':>8s} "
+                  f"{'fp32 zeros':>11s}")  # fmt: skip
+            for r in res["rows"]:
+                print(f"{r['layer']:18s} {r['elements']:>10d} {r['predicted']:>10.2%} {r['observed']:>10.2%} "
+                      f"{r['gap']:>+8.2%} {r['fp32_zeros']:>11.2%}")  # fmt: skip
+            verdict = "holds" if res["holds"] else "FAILS"
+            gap, layer = res["largest_gap"], res["largest_gap_layer"]
+            print(f"largest gap {gap:+.2%} ({layer}); within 2 points: {verdict}")
+    return 0 if all(r["holds"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
