@@ -10,6 +10,7 @@ command in that Python, its output passed through.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -61,9 +62,11 @@ def doctor(args, argv: list[str]) -> int:
             model, batch, loss_fn, optimizer, framework = _workload(name, framework or "torch", args.quick)
     if args.no_optimizer:
         optimizer = None
+    label = args.target or f"compare workload {args.workload or 'charlm'}{' (quick)' * args.quick}"
     with _status(f"polyamp doctor: observing {args.steps} float32 step(s) in {framework}", args.json):
         report = diagnose(model, batch, loss_fn, framework=framework, steps=args.steps, formats=formats,
                           optimizer=optimizer)  # fmt: skip
+    report = dataclasses.replace(report, model=label)
     paths = report.write(args.out, plot=not args.no_plot)
     if args.json:
         print(paths["json"].read_text(), end="")

@@ -97,8 +97,8 @@ def heatmap(report, path: str | Path) -> Path | None:
         cb.set_label("share of the layer's elements")
     handles = [_patch(c, n) for n, c in BAND_COLORS.items()]
     fig.legend(handles=handles, loc="upper right", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle(f"polyamp doctor — {report.framework}, {report.model.rsplit('.', 1)[-1]}: "
-                 f"recommends {report.policy}", x=0.01, ha="left", fontsize=11)  # fmt: skip
+    fig.suptitle(f"polyamp doctor — {report.framework}, {report.model}: recommends {report.policy}",
+                 x=0.01, ha="left", fontsize=11)  # fmt: skip
     path = Path(path)
     fig.savefig(path, bbox_inches="tight")
     return path
