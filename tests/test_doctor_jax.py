@@ -19,7 +19,8 @@ from polyamp import PolyampError  # noqa: E402
 from polyamp.compare import jax as cj  # noqa: E402
 from polyamp.compare.workloads import get_workload  # noqa: E402
 from polyamp.doctor import KINDS, N_BINS, LogHistogram, Observation, update_ratio_histogram  # noqa: E402
-from polyamp.jax.doctor import _CHUNK, collect, histogram, ratio_histogram  # noqa: E402
+from polyamp.jax.binning import _CHUNK  # noqa: E402
+from polyamp.jax.doctor import collect, histogram, ratio_histogram  # noqa: E402
 
 F32, BF16, F16 = np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)
 
