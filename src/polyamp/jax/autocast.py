@@ -53,6 +53,7 @@ from jax.extend import core as jcore
 from ..errors import PolyampError
 from ..mixed_precision import kept, unmatched_layers
 from . import layout
+from .scopes import leaf_name, name_scopes, scope_paths
 
 _REDUCTIONS = ("reduce_sum reduce_prod reduce_max reduce_min argmax argmin cumsum cumprod cumlogsumexp "
                "cummax cummin reduce_window_sum reduce_window_max reduce_window_min psum psum_invariant "
@@ -432,28 +433,6 @@ _STRUCTURED = {
 }
 
 
-def name_scopes(eqn) -> tuple[str, ...]:
-    """The ``jax.named_scope`` names an equation was traced under, outermost first, relative to the
-    jaxpr that holds it (transforms such as ``jvp`` left out)."""
-    return tuple(s.name for s in eqn.source_info.name_stack.stack if type(s).__name__ == "Scope")
-
-
-def leaf_name(path) -> str:
-    """A pytree leaf's name from its key path: the keys joined by "/" (``embed``, ``blocks/0/w``)."""
-    names = (next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k) for k in path)
-    return "/".join(map(str, names))
-
-
-def scope_paths(jaxpr, scope: tuple[str, ...] = ()):
-    """The scope path of every equation of ``jaxpr`` and of its sub-jaxprs (with duplicates)."""
-    for eqn in jaxpr.eqns:
-        path = scope + name_scopes(eqn)
-        if path:
-            yield "/".join(path)
-        for sub in jcore.jaxprs_in_params(eqn.params):
-            yield from scope_paths(sub, path)
-
-
 def _bind_original(eqn, *invals) -> list:
     """``eqn`` bound on its inputs cast back to the dtypes they had in the traced function."""
     return _bind(eqn, _cast_all(invals, _avals_dtypes(eqn.invars)), eqn.params)
@@ -515,5 +494,4 @@ def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES
 
     return autocast_fn
 
-__all__ = ["CLASSES", "DEFAULT_RULES", "AutocastRules", "Interpreter", "autocast", "check_arguments",
-           "leaf_name", "name_scopes", "scope_paths"]
+__all__ = ["CLASSES", "DEFAULT_RULES", "AutocastRules", "Interpreter", "autocast", "check_arguments"]

@@ -45,8 +45,8 @@ from jax.extend import core as jcore
 from ..doctor.recommend import KINDS, Observation
 from ..errors import PolyampError
 from ..frameworks import detect
-from .autocast import leaf_name, name_scopes
 from .binning import _F64, _histogram, _layout, _stats, histogram, ratio_histogram
+from .scopes import leaf_name, name_scopes
 
 _INLINED = {"jit", "pjit", "closed_call", "core_call", "call", "remat2", "checkpoint"}
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()  # key -> _Program, least recent first
