@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from frameworks import require
 from torch import nn
 
 import polyamp as pa
@@ -220,3 +221,50 @@ def test_cli_on_a_users_file_with_json(tmp_path):
 def test_cli_bad_input_exits_2_with_one_line(argv, match, capsys):
     assert main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+# -- the same API on the other frameworks ------------------------------------------------------------------
+def test_jax_params_and_loss_give_a_report_whose_keep_fp32_applies_to_autocast():
+    jax = require("jax")
+    jnp = jax.numpy
+
+    def loss(p, batch):
+        x, y = batch
+        with jax.named_scope("big"):
+            h = x @ p["big"]
+        with jax.named_scope("norm"):
+            h = (h - h.mean(-1, keepdims=True)) / (h.std(-1, keepdims=True) + 1e-3)
+        with jax.named_scope("head"):
+            out = h @ p["head"]
+        return jnp.mean((out - y) ** 2)
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    big = jax.random.uniform(k1, (8, 32), minval=-3e4, maxval=3e4)  # fits fp16; its products do not
+    params = {"big": big, "head": jax.random.normal(k2, (32, 1)) / 6}
+    batch = (jax.random.normal(k1, (64, 8)), jnp.zeros((64, 1)))
+    report = pa.doctor(params, batch, loss)
+    assert report.framework == "jax" and report.layers[:3] == ("big", "norm", "head")
+    assert report.keep_fp32 == ("big",) and report.policy == "fp16-mixed"
+
+    def fp16_dots(mp) -> int:
+        jaxpr = jax.make_jaxpr(mp.autocast(loss))(params, batch).jaxpr
+        subs = jax.extend.core.jaxprs_in_params
+        eqns = [e for eqn in jaxpr.eqns for e in [eqn, *[s for j in subs(eqn.params) for s in j.eqns]]]
+        return sum(e.primitive.name == "dot_general" and e.invars[0].aval.dtype == jnp.float16 for e in eqns)
+
+    mp = pa.MixedPrecision(report.policy, framework="jax", keep_fp32=report.keep_fp32)
+    assert bool(jnp.isfinite(jax.jit(mp.autocast(loss))(params, batch)))
+    assert fp16_dots(mp) == 1 and fp16_dots(pa.MixedPrecision("fp16-mixed", framework="jax")) == 2
+
+
+def test_keras_model_non_finite_in_float32_names_the_layer():
+    keras = require("keras")
+    tf = require("tensorflow")
+    layers = [keras.Input((4,)), keras.layers.Dense(8, name="a"), keras.layers.Dense(1, name="b")]
+    model = keras.Sequential(layers)
+    kernel = model.get_layer("b").kernel
+    kernel.assign(tf.tensor_scatter_nd_update(kernel, [[0, 0]], [float("nan")]))
+    x = tf.ones((16, 4))
+    report = pa.doctor(model, (x, tf.zeros((16, 1))), keras.losses.MeanSquaredError())
+    assert report.framework == "tensorflow" and report.policy == "float32"
+    assert report.nonfinite.layer == "b" and report.nonfinite.kind == "weight"
