@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU wheel; any other version pulls a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[fast,torch,tensorflow,jax,dev,bench,compare]"
+	$(PY) -m pip install --quiet -e ".[fast,torch,tensorflow,jax,dev,bench,compare,doctor]"
 	touch $(STAMP)
 
 venv-mxnet: $(MXNET_STAMP)
@@ -29,8 +29,8 @@ venv-mxnet: $(MXNET_STAMP)
 $(MXNET_STAMP): pyproject.toml Makefile
 	test -x $(MXNET_PY) || $(PYTHON) -m venv $(MXNET_VENV)
 	$(MXNET_PY) -m pip install --quiet --upgrade pip
-	# scikit-learn: the digits workload of `polyamp compare`
-	$(MXNET_PY) -m pip install --quiet -e ".[mxnet,dev]" "numpy<1.24" scikit-learn
+	# scikit-learn: the digits workload of `polyamp compare`; doctor: the heat map of `polyamp doctor`
+	$(MXNET_PY) -m pip install --quiet -e ".[mxnet,dev,doctor]" "numpy<1.24" scikit-learn
 	touch $(MXNET_STAMP)
 
 # The main job: every installed framework, workload and policy side by side (about 5 minutes here).
