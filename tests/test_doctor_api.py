@@ -268,3 +268,17 @@ def test_keras_model_non_finite_in_float32_names_the_layer():
     report = pa.doctor(model, (x, tf.zeros((16, 1))), keras.losses.MeanSquaredError())
     assert report.framework == "tensorflow" and report.policy == "float32"
     assert report.nonfinite.layer == "b" and report.nonfinite.kind == "weight"
+
+
+def test_cli_runs_mxnet_in_its_own_environment(tmp_path):
+    from polyamp.compare.runner import mxnet_python
+
+    if mxnet_python() is None:
+        pytest.skip("no .venv-mxnet (make venv-mxnet) and no POLYAMP_MXNET_PYTHON")
+    command = [sys.executable, "-m", "polyamp", "doctor", "--workload", "mlp", "--quick", "--framework",
+               "mxnet", "--json", "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["framework"] == "mxnet" and {r["kind"] for r in data["rows"]} >= {"output", "update_ratio"}
+    assert (tmp_path / "heatmap.png").exists()
