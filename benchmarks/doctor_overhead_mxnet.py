@@ -5,10 +5,10 @@
 The compare workloads' Gluon networks (``polyamp.compare.mxnet``: same weights, batch 0, hybridized, Adam
 as compare trains them; no contrib.amp in this process). Cases, each against the plain step (forward and
 mean loss under ``autograd.record``, backward, ``trainer.step(1)``, ``mx.nd.waitall()``):
-- ``collect(..., optimizer=trainer)``: one tapped step with update ratios, including the snapshot of
-  parameters, gradients and optimizer states and their restore (what ``doctor`` pays per call of one step);
-- ``collect(...)``: no trainer, so no update ratios and no snapshot of parameters or optimizer states;
-- ``collect(..., steps=4, optimizer=trainer)`` divided by 4: a tapped step with the snapshot spread over 4.
+- ``collect(..., optimizer=trainer)``: one tapped step with update ratios, including the working copies
+  of parameters and optimizer states it runs on (what ``doctor`` pays per call of one step);
+- ``collect(...)``: no trainer, so no update ratios and no copies of parameters or optimizer states;
+- ``collect(..., steps=4, optimizer=trainer)`` divided by 4: a tapped step with the copies spread over 4.
 ``collect`` runs the hybridized network imperatively (each leaf block's forward is tapped), so part of its
 cost is the lost hybridization. Contenders alternate in rotating rounds in one process; medians after one
 warm-up call each, and the median of the per-round ratios. The issue's budget: 1.5x.

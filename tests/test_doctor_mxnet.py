@@ -6,6 +6,8 @@ and must still observe a float32 step; the float32 references are computed under
 ``float32_operators()``.
 """
 
+import ctypes
+import gc
 import math
 import subprocess
 import sys
@@ -26,6 +28,7 @@ with warnings.catch_warnings():
 from mxnet import autograd, gluon  # noqa: E402
 from mxnet.contrib.amp.amp import bfloat16  # noqa: E402
 
+import polyamp.mxnet.doctor as doctor  # noqa: E402
 from polyamp.mxnet.doctor import collect, histogram, ratio_histogram  # noqa: E402
 from polyamp.mxnet.keep import float32_operators, keep_float32  # noqa: E402
 
@@ -72,9 +75,18 @@ def wide(n, dtype, seed):
 DTYPES = ["float32", "float16", bfloat16, "float64"]
 
 
-# -- binning in MXNet equals the numpy core ----------------------------------------------------------
+@pytest.fixture(params=["numpy", "mxnet"])
+def path(request, monkeypatch):
+    """Each binning path: numpy on host memory, or (no context counted as host memory, as on a GPU)
+    MXNet's ops, copies and taps."""
+    if request.param == "mxnet":
+        monkeypatch.setattr(doctor, "_HOST_DEVICES", frozenset())
+    return request.param
+
+
+# -- binning equals the numpy core -------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16", "float64"])
-def test_histogram_equals_the_numpy_core(dtype):
+def test_histogram_equals_the_numpy_core(dtype, path):
     rng = np.random.default_rng(0)
     x = wide(20000, dtype, seed=1)
     with_specials = x.copy()
@@ -94,7 +106,7 @@ def test_histogram_equals_the_numpy_core(dtype):
         assert histogram(a) == reference(a), (dtype, to_numpy(a).ravel()[:8])
 
 
-def test_float32_subnormals_zeros_and_extremes_are_binned_exactly():
+def test_float32_subnormals_zeros_and_extremes_are_binned_exactly(path):
     sub = nd([1e-45, 2.8e-45, 1e-40, -1.1e-38, 5e-39, 0.0, -0.0], "float32")
     h = histogram(sub)
     assert h == reference(sub)
@@ -152,18 +164,117 @@ def spy_host_reads(monkeypatch):
     return seen
 
 
-def test_only_counts_and_scalars_reach_the_host(monkeypatch):
-    """The taps move key counts (4096; 32768 for the rare float64 rebinning) and a few scalars."""
+def observe_relu_net():
     net = gluon.nn.HybridSequential()
     net.add(gluon.nn.Dense(256, in_units=256, activation="relu"), gluon.nn.Dense(256, in_units=256))
     net.initialize()
     x, y = mx.nd.random.normal(shape=(256, 256)), mx.nd.random.normal(shape=(256, 256))
     x[0, 0] = 1e-40  # subnormals, zeros (relu) and inf take the other branches
     trainer = gluon.Trainer(net.collect_params(), "adam")
-    seen = spy_host_reads(monkeypatch)
     collect(net, (x, y), gluon.loss.L2Loss(), optimizer=trainer)
     histogram(nd([0.0, 1e-41, math.inf] * 30000, "float32"))
+
+
+def test_host_arrays_are_binned_where_they_lie(monkeypatch):
+    """On the CPU numpy reads the NDArrays' own memory: not one array is copied to the host."""
+    seen = spy_host_reads(monkeypatch)
+    observe_relu_net()
+    assert seen == []
+
+
+def test_on_the_mxnet_path_only_counts_and_scalars_reach_the_host(monkeypatch):
+    """MXNet's path (a GPU's) moves key counts (4096; 32768 for the rare float64 rebinning) and a few
+    scalars."""
+    monkeypatch.setattr(doctor, "_HOST_DEVICES", frozenset())
+    seen = spy_host_reads(monkeypatch)
+    observe_relu_net()
     assert seen and max(seen) <= 32768 < 256 * 256
+
+
+# -- binning in numpy, on host memory ----------------------------------------------------------------
+def test_chunks_with_zeros_infs_nans_and_subnormals_apart_combine_exactly():
+    """numpy bins in chunks: one of zeros only, one of inf/NaN only, one with both amid normal
+    values, one with subnormals, and a short last one holding the maximum."""
+    n = doctor._CHUNK
+    x = np.random.default_rng(8).standard_normal(4 * n + 5).astype(np.float32)
+    x[:n] = np.resize(np.array([0.0, -0.0], np.float32), n)
+    x[n : 2 * n] = np.resize(np.array([np.inf, -np.inf, np.nan], np.float32), n)
+    x[2 * n + 3], x[2 * n + 7], x[2 * n + 9] = 0.0, np.nan, -np.inf
+    x[3 * n + 1], x[3 * n + 2] = 1e-45, -3e-39
+    x[-1] = np.finfo(np.float32).max
+    h = histogram(mx.nd.array(x))
+    assert h == LogHistogram.of(x)
+    assert h.zeros == n + 1 and h.nonfinite == n + 2
+    assert h.amin_nonzero == float(np.float32(1e-45)) and h.amax == float(np.finfo(np.float32).max)
+
+
+def test_slices_rows_and_reshapes_are_binned_from_their_own_memory():
+    """Views into another array's memory (an offset into it): each binned as its own values."""
+    big = mx.nd.array(wide(6 * 63, "float32", seed=9).reshape(6, 63).astype(np.float32))
+    views = [big[2:5], big[3], big.reshape((7, 6, 9))[1:3], big[5:6]]
+    assert [histogram(v) for v in views] == [reference(v) for v in views]
+    assert histogram(big[0:3]) != histogram(big[2:5])
+
+
+def test_an_array_is_read_after_mxnet_has_written_it():
+    x = mx.nd.random.normal(shape=(256, 256))
+    y = x
+    for _ in range(8):  # queued: histogram waits for the last write
+        y = mx.nd.dot(y, x) * 0.0625
+    assert histogram(y) == reference(y)
+
+
+def test_an_array_in_mkldnn_layout_is_written_out_by_mxnet(monkeypatch):
+    """A convolution's output (MKL-DNN's blocked layout, in a build with it) has no plain view: MXNet's
+    abs writes it out into numpy memory, which numpy bins."""
+    calls = []
+    magnitudes = doctor._Scratch.magnitudes
+    monkeypatch.setattr(doctor._Scratch, "magnitudes", lambda self, x: calls.append(1) or magnitudes(self, x))
+    x, w = mx.nd.random.normal(shape=(2, 3, 12, 12)), mx.nd.random.normal(shape=(8, 3, 3, 3))
+    with float32_operators():  # not contrib.amp's bf16 convolution
+        y = mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=8, no_bias=True)
+    assert y.dtype == np.float32 and histogram(y) == reference(y)
+    assert bool(calls) == mx.runtime.Features().is_enabled("MKLDNN")
+
+
+@pytest.mark.parametrize("before_in", ["ndarray", "numpy"])
+def test_update_ratios_of_host_arrays_equal_the_numpy_core(path, before_in):
+    """``_update`` (a step's update of a float32 weight): lost updates, zero weights, and the cases its
+    fast path leaves to float64 (a tiny weight, a non-finite update, a ratio beyond float32)."""
+    rng = np.random.default_rng(10)
+    n = 2 * doctor._CHUNK + 3
+    w = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(np.float32)
+    after = (w + rng.standard_normal(n).astype(np.float32) * np.float32(1e-3) * np.abs(w)).astype(np.float32)
+    w[:40], after[20:60] = 0.0, w[20:60]  # zero weights (some updated), lost updates
+    cases = {"fast": (after, w)}
+    changes = [("tiny weight", 5000, 1e-35), ("inf update", 7, math.inf), ("huge ratio", 9, 3e38)]
+    for name, i, value in changes:
+        a, b = after.copy(), w.copy()
+        (b if name == "tiny weight" else a)[i] = value
+        cases[name] = (a, b)
+    for name, (a, b) in cases.items():
+        before = mx.nd.array(b) if before_in == "ndarray" else b.copy()
+        got = doctor._update(mx.nd.array(a), before, histogram(mx.nd.array(b)), doctor._Scratch())
+        with np.errstate(invalid="ignore", over="ignore"):
+            assert got == update_ratio_histogram(a - b, b), name
+    assert got.apart == 40 and got.zeros >= 20
+
+
+def test_importing_the_taps_keeps_mxnets_dlpack_deleter_working(monkeypatch):
+    """A capsule dropped unconsumed (as the host views' are) runs MXNet's deleter, which releases the
+    array; it raised instead when the shared ctypes prototype was given argtypes."""
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    capsule = mx.nd.to_dlpack_for_read(mx.nd.ones(3))
+    del capsule
+    gc.collect()
+    assert seen == [] and ctypes.pythonapi.PyCapsule_GetPointer.argtypes is None
+
+
+def test_work_arrays_lie_in_their_lanes():
+    for lane in range(4):
+        a = doctor._host_array(100_000, np.float32, lane, zeros=True)
+        assert a.ctypes.data % 4096 == lane * 1024 and a.shape == (100_000,) and not a.any()
 
 
 # -- collect: never changes the model or the trainer ------------------------------------------------
@@ -296,6 +407,46 @@ def test_collect_with_a_fresh_trainer_leaves_it_without_state():
     assert not trainer._updaters[0].states and trainer._optimizer.num_update == 0
     assert not trainer._kv_initialized and not trainer._optimizer._index_update_count
     assert grads == [bits(p.grad()) for p in net.collect_params().values()]
+
+
+def training_bits(model, trainer):
+    """The bits of every value, gradient and optimizer state."""
+    params = list(model.collect_params().values())
+    out = [bits(p.data()) for p in params] + [bits(p.grad()) for p in params if p.grad_req != "null"]
+    for _, state in sorted(trainer._updaters[0].states.items()):
+        out += [bits(s) for s in (state if isinstance(state, tuple) else (state,))]
+    return out
+
+
+@pytest.mark.parametrize("with_trainer", [True, False])
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_training_after_collect_is_bitwise_the_training_of_a_twin_without_it(with_trainer, hybridize):
+    """collect swaps working copies and fresh gradient buffers in and out: afterwards backward writes
+    the parameters' own gradients and the trainer steps their own values and states, as in a twin
+    that never saw collect."""
+    runs = []
+    for observed in (False, True):
+        model, trainer, (x, y) = trained_net(hybridize=hybridize, scheduler=True)
+        if observed:
+            collect(model, (x, y), gluon.loss.L2Loss(), steps=2, optimizer=trainer if with_trainer else None)
+        for _ in range(2):
+            with autograd.record():
+                loss = gluon.loss.L2Loss()(model(x), y)
+            loss.backward()
+            trainer.step(32)
+        runs.append(training_bits(model, trainer))
+    assert runs[0] == runs[1]
+
+
+def test_the_mxnet_path_observes_the_same_and_changes_nothing(monkeypatch):
+    """With no context counted as host memory (as on a GPU): MXNet's copies, taps and binning."""
+    model, trainer, batch = trained_net(scheduler=True)
+    on_host = collect(model, batch, gluon.loss.L2Loss(), steps=2, optimizer=trainer)
+    before = snapshot(model, trainer)
+    monkeypatch.setattr(doctor, "_HOST_DEVICES", frozenset())
+    with_mxnet = collect(model, batch, gluon.loss.L2Loss(), steps=2, optimizer=trainer)
+    assert snapshot(model, trainer) == before
+    assert [(o.layer, o.kind, o.hist) for o in with_mxnet] == [(o.layer, o.kind, o.hist) for o in on_host]
 
 
 # -- what collect observes --------------------------------------------------------------------------
@@ -697,7 +848,7 @@ def test_keep_fp32_refuses_a_plain_block_it_cannot_cast():
         pa.MixedPrecision("bf16-mixed", framework="mxnet", keep_fp32=("0",)).watch(net)
 
 
-def test_fp16_and_bf16_arrays_are_widened_exactly():
+def test_fp16_and_bf16_arrays_are_widened_exactly(path):
     x = np.clip(wide(3000, "float32", seed=7), -400, 400)
     for dtype in ("float16", bfloat16):
         a = nd(x, dtype)

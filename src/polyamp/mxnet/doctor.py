@@ -8,48 +8,65 @@ With ``loss_fn=None`` the outputs are the loss. A loss of one value per sample (
 shape ``(batch,)``) is reduced with ``.mean()``: the step is that of the mean loss, and ``optimizer`` (a
 ``gluon.Trainer``) steps with ``trainer.step(1)`` (batch_size 1: the mean already divides by the batch).
 
-Algorithm: snapshot the parameters' values (all with a trainer; without one, those with
-``grad_req='null'``, which the forward may write: BatchNorm's running statistics), gradients and their
-"fresh" flags, and each HybridBlock's hybridization; the trainer's optimizer states are swapped for
-copies, so the originals are never written. Then ``steps`` ordinary float32 steps with taps, under
+Algorithm: the steps run on copies (``_Sandbox``), so that the user's arrays are never written: the
+parameters the steps write compute on working copies swapped in for their own arrays (with a trainer
+all of them; without one, those with ``grad_req='null'``, which the forward may write: BatchNorm's
+running statistics), every parameter with a gradient gets fresh gradient buffers, and the trainer's
+optimizer states are swapped for copies. Then ``steps`` ordinary float32 steps with taps, under
 ``autograd.record(train_mode=True)`` and MXNet's float32 operators (``keep.float32_operators``: those
 contrib.amp replaced are put back, process-wide, for the call). Hybridized blocks run imperatively
 (``_active`` off, their cached graphs kept), so that every layer block's forward is seen:
 - every layer block (``keep.layers``): its ``forward`` is wrapped (an instance attribute) to keep each
-  floating output ("output") and return ``output + z``, ``z`` a -0.0 NDArray with ``attach_grad()``
-  (adding -0.0 changes no bit, not even a -0.0): ``z.grad`` is the gradient w.r.t. the output
-  ("grad_output"), kept when backward reached it; both are binned after backward, so that MXNet
-  queues the whole forward and backward without waiting on the taps;
+  floating output ("output") and return ``output + z``, ``z`` a -0.0 NDArray with a gradient buffer
+  (adding -0.0 changes no bit, not even a -0.0): ``z``'s gradient is the gradient w.r.t. the output
+  ("grad_output"), kept when backward reached it;
 - every parameter in its layer: its value before the step ("weight"), its gradient after backward
   ("grad_weight"; those backward wrote, ``grad_req='add'`` ones zeroed first);
 - with a trainer: ``trainer.step(1, ignore_stale_grad=True)``, and the update ``after - before`` of
   each of its parameters binned relative to the weight ("update_ratio"). Without one, no updates.
-Then (in a ``finally``, also when the loss or the model raises) everything is put back, bitwise: values
-and gradients copied back into the same arrays, flags, forwards, hybridization, the trainer's and its
-optimizer's attributes, update counts, scheduler and states. One ``Observation`` per (layer, kind):
-layers in ``keep.layers`` order, kinds in ``KINDS`` order, steps and calls merged. Not restorable:
-MXNet's random generator (MXNet 1.9 has no API to read its state, only ``mx.random.seed``), so a
-model that draws random numbers in training mode (``Dropout``) advances it.
+MXNet computes each forward and backward, and each trainer step, alone: the binning waits for it
+(``mx.nd.waitall``); run at once, the two slowed each other down by more than they overlapped. Then (in
+a ``finally``, also when the loss or the model raises) the original arrays are put back, which
+restores them bitwise with no copy back, and so are the gradients' "fresh" flags, forwards,
+hybridization, the trainer's and its optimizer's attributes, update counts and scheduler. One
+``Observation`` per (layer, kind): layers in ``keep.layers`` order, kinds in ``KINDS`` order, steps
+and calls merged. Not restorable: MXNet's random generator (MXNet 1.9 has no API to read its state,
+only ``mx.random.seed``), so a model that draws random numbers in training mode (``Dropout``)
+advances it.
 
-Binning (``histogram``) runs MXNet ops on the array's context, into work buffers kept for the call
-(``_Scratch``); the counts and a few scalars reach the host. MXNet has no bitcast: the int view of a
-float array is its DLPack capsule relabelled (``_bits``: same memory, no copy). For a float32 ``a = |x|``
-(fp16 and bf16 widened exactly) with int bits ``ia``, ``ia >> 19`` is ``SUB * biased exponent + k`` of
-a normal float, the spec's index less a constant: one ``mx.nd.histogram`` of ``ia`` (4096 bins over
-[0, 2^31), exact) counts every key, the low ones zeros and subnormals, the top ones inf/NaN. One
-``contrib.quantize_v2`` gives the extremes (it reports min and max, skipping NaN), zeros masked as NaN;
-subnormals (rare) are re-binned as float64, where they are normal; arrays with inf/NaN take int
-reductions, float64 ones int64 bits and ``bincount``. An update ratio ``|u| / 2^b(w)`` (``_update``) is
-the float whose bits are ``ia(u) - (bits(w) & 0x7f800000) + 0x3f800000``, binned the same way with zero
-``u`` or ``w`` masked as NaN; its conditions (weights finite and not tiny, a finite update) are read off
-the weight's histogram and one pass over the update. Otherwise (and in ``ratio_histogram``) float64
-with masks: the index ``SUB * b(u) + k(u) - SUB * b(w)`` from int64 bits (float64 subnormals scaled by
-2^128 first) and ``r = |u| / 2^b(w)`` from one division. The results equal ``LogHistogram.of(x.asnumpy())``
-(``update_ratio_histogram``) exactly; each tapped array costs a few host reads (synchronisations).
+Binning (``histogram``): which path runs where.
+- Host memory (contexts cpu, cpu_pinned, cpu_shared), default storage and layout, float32 (fp16 and
+  bf16 widened exactly): numpy, on a view of the NDArray's memory (``_host_view``: its DLPack
+  capsule, taken after MXNet's pending writes and held while the view is read; no copy, and no view
+  outlives the call that made it). A float32 array on ``mx.cpu()`` in MKL-DNN's blocked layout, which
+  has no such view, is first written by MXNet's ``abs`` into numpy memory.
+- Everything else (GPU contexts, float64): MXNet ops on the array's context, into work buffers kept for
+  the call (``_Scratch``); only the counts and a few scalars reach the host.
+Both read the float32 bits ``a`` of ``|x|``: for a normal float ``a >> 19`` is ``SUB * biased exponent +
+k``, the spec's index less a constant; the low keys are zeros and subnormals, the top ones inf/NaN.
+numpy (``_host_hist``) takes chunks of ``_CHUNK`` elements, whose work buffers stay in cache:
+``bincount(a >> 19)``, ``a.min()`` and ``a.max()``; in a chunk with zeros or inf/NaN the extremes
+come from ``(a - 1) & 0x7fffffff`` and ``(a - 0x7f800000) & 0x7fffffff``, its subnormals (rare) from
+the core's ``bin_index``. MXNet has no bitcast: its int view of a float array is the DLPack capsule
+relabelled (``_bits``); one ``mx.nd.histogram`` of ``a`` (4096 bins over [0, 2^31), exact) counts the
+keys, one ``contrib.quantize_v2`` gives the extremes (min and max, skipping NaN; zeros masked as NaN),
+subnormals are re-binned as float64, arrays with inf/NaN take int reductions, float64 ones int64 bits
+and ``bincount``. An update ratio ``|u| / 2^b(w)`` (``_update``) of float32 weights, finite and not
+below 2^-102, is the float whose bits are ``a(u) - (bits(w) & 0x7f800000) + 0x3f800000``, binned the
+same way (numpy: ``u = after - before`` per chunk; zero ``u`` or ``w`` set to 0, MXNet: to NaN);
+otherwise (and in ``ratio_histogram``) MXNet in float64 with masks: the index ``SUB * b(u) + k(u) -
+SUB * b(w)`` from int64 bits (float64 subnormals scaled by 2^128 first) and ``r = |u| / 2^b(w)`` from
+one division. The results equal ``LogHistogram.of(x.asnumpy())`` (``update_ratio_histogram``) exactly.
+
+Memory, on ``mx.cpu()`` (``_in_numpy``): the working copies, gradient buffers, optimizer state copies
+and the taps' sums and ``z`` lie in numpy memory (``from_numpy``), whose large allocations fault in as
+huge pages, several times faster than MXNet's fresh arrays, 4 KiB page by page; ``_host_array``
+places the arrays one kernel streams together in different lanes (4K aliasing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 from collections import defaultdict
@@ -57,7 +74,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram
+from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram, bin_index
 from ..doctor.recommend import KINDS, Observation
 from ..errors import PolyampError
 from ..frameworks import detect
@@ -68,9 +85,15 @@ _npi = mx.nd.numpy._internal  # MXNet 1.9's numpy-interface ops: bincount, bitwi
 
 _LOG_SUB = SUB.bit_length() - 1  # SUB is a power of two
 _RATIO_OFFSET = 1 - SUB * B_MIN  # spec index of a ratio = K(u) - SUB * E(w) + this (E biased, K = SUB*E + k)
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+# a prototype of our own: setting argtypes on ctypes.pythonapi's shared function object would change it
+# for MXNet's DLPack deleter too (it passes the capsule as a void pointer)
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+_MANAGED = ctypes.POINTER(mx.nd.ndarray.DLManagedTensor)
+_HOST_DEVICES = frozenset({"cpu", "cpu_pinned", "cpu_shared"})  # contexts whose arrays are host memory
+_MASK, _INF, _NORMAL, _ONE = 0x7FFFFFFF, 0x7F800000, 0x00800000, 0x3F800000  # float32 bit patterns
+_CHUNK = 1 << 16  # elements per numpy pass: its work buffers stay in the core's cache
 
 
 @dataclass(frozen=True)
@@ -111,18 +134,13 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
     _check(model, batch, loss_fn, steps, optimizer)
     table = layers(model)
     params = _parameters(model, optimizer)
-    trained = [p for p in params if p.grad_req != "null"]
     stepped = {id(p) for p in optimizer._params if p.grad_req != "null"} if optimizer is not None else set()
-    # without a trainer only the forward writes parameters (running statistics): gradients are put back
-    values = [(d, d.copy()) for p in params if optimizer is not None or p.grad_req == "null"
-              for d in p.list_data()]  # fmt: skip
-    grads = [(g, g.copy()) for p in trained for g in p.list_grad()]
-    fresh = [(d, d._fresh_grad) for p in trained for d in p.list_data()]
+    fresh = [(d, d._fresh_grad) for p in params if p.grad_req != "null" for d in p.list_data()]
     hybrid = [(b, b._active) for _, b in blocks(model) if isinstance(b, gluon.HybridBlock)]
-    trainer = _TrainerState(optimizer) if optimizer is not None else None
+    sandbox = _Sandbox(params, optimizer)
     found: dict[tuple[str, str], list[LogHistogram]] = defaultdict(list)
     taps: list[tuple[str, mx.nd.NDArray, mx.nd.NDArray]] = []
-    wrapped, scratch = [], _Scratch()
+    wrapped, scratch, addends = [], _Scratch(), _Addends()
     try:
         with float32_operators():
             for block, _ in hybrid:
@@ -130,21 +148,20 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
             for layer in table:
                 if layer.leaf:
                     wrapped.append((layer.block, vars(layer.block).get("forward")))
-                    vars(layer.block)["forward"] = _tapped(layer.name, layer.block.forward, taps)
-            saved = {id(d): v for d, v in values}
-            before = {id(p): saved[id(p.data())] for p in params if id(p.data()) in saved}
+                    vars(layer.block)["forward"] = _tapped(layer.name, layer.block.forward, taps, addends)
+            sandbox.enter(scratch)
             for step in range(steps):
-                weights = _step(model, batch, loss_fn, table, trained, found, taps, scratch)
+                weights = _step(model, batch, loss_fn, table, sandbox, found, taps, scratch)
                 if optimizer is None:
                     continue
                 optimizer.step(1, ignore_stale_grad=True)
+                mx.nd.waitall()
                 for layer in table:
                     ps = [p for p in layer.params if id(p) in stepped]
-                    ratios = [_update(p.data(), before[id(p)], weights[id(p)], scratch) for p in ps]
+                    ratios = [_update(p.data(), sandbox.before[id(p)], weights[id(p)], scratch) for p in ps]
                     found[layer.name, "update_ratio"] += ratios
-                if step + 1 < steps:  # the snapshot stays as it is; later steps start from a copy
-                    before = {i: _copy_into(p.data(), before[i] if step else None)
-                              for p in params if (i := id(p)) in before}  # fmt: skip
+                if step + 1 < steps:
+                    sandbox.next_before(scratch)
     finally:
         for block, forward in wrapped:
             if forward is None:
@@ -153,34 +170,88 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
                 vars(block)["forward"] = forward
         for block, active in hybrid:
             block._active = active
-        for d, value in values:
-            d[:] = value
-        for g, value in grads:
-            g[:] = value
+        sandbox.restore()
         for d, flag in fresh:
             d._fresh_grad = flag
-        if trainer is not None:
-            trainer.restore()
     return [Observation(layer.name, kind, found[layer.name, kind][0].merge(*found[layer.name, kind][1:]))
             for layer in table for kind in KINDS if found.get((layer.name, kind))]  # fmt: skip
 
 
-def _step(model, batch, loss_fn, table, trained, found, taps, scratch) -> dict[int, LogHistogram]:
-    """Forward and backward with taps; returns each layer parameter's weight histogram by id."""
-    for p in trained:
-        for d in p.list_data():
-            d._fresh_grad = False  # backward sets it on what it writes
+class _Sandbox:
+    """The steps write copies, never the user's arrays. For the call, the parameters the steps write
+    compute on working copies of their values, swapped in for their own (with a trainer all of them,
+    as its step writes them; without, those without gradient, as the forward writes them: running
+    statistics), each parameter with a gradient has fresh gradient buffers (marked for autograd on
+    the data it computes on), and the trainer's optimizer states are copies (``_TrainerState``).
+    Putting the original arrays back restores everything, bitwise, with no copy back (a parameter
+    that computed on its own data is marked back onto its own gradient buffers). The copies lie in
+    numpy memory where ``_in_numpy``; float32 ones are binned as they are made (the first weights)."""
+
+    def __init__(self, params, trainer) -> None:
+        self.params, self.trainer = params, trainer
+        self.swapped: list[tuple] = []  # (parameter, its data list, its gradient list, data swapped)
+        self.binned: dict[int, LogHistogram] = {}  # parameter id -> its weights' histogram, if binned
+        self.before: dict[int, object] = {}  # parameter id -> its values before this step's update
+        self.trainer_state: _TrainerState | None = None
+
+    def enter(self, scratch: _Scratch) -> None:
+        for p in self.params:
+            data, grad = p._data, p._grad
+            swap = self.trainer is not None or p.grad_req == "null"
+            self.swapped.append((p, data, grad, swap))
+            if swap:
+                copies = [_copy_binned(x, scratch) for x in data]
+                p._data = [copy for copy, _ in copies]
+                self.binned[id(p)] = copies[0][1]
+                self.before[id(p)] = data[0]
+            if p.grad_req != "null" and grad is not None:
+                p._grad = [_gradient_buffer(g, p.grad_req) for g in grad]
+                autograd.mark_variables(p._data, p._grad, p.grad_req)
+        if self.trainer is not None:
+            self.trainer_state = _TrainerState(self.trainer)
+            self.trainer_state.swap()
+
+    def next_before(self, scratch: _Scratch) -> None:
+        """After a step's update: the values the next step starts from, its "before" and weights
+        (the originals stay as they are; a copy of the working values, reused from step to step)."""
+        for p in self.params:
+            if id(p) in self.before:
+                into = self.before[id(p)] if isinstance(self.before[id(p)], np.ndarray) else None
+                self.before[id(p)], self.binned[id(p)] = _save_binned(p.data(), scratch, into)
+
+    def restore(self) -> None:
+        for p, data, grad, swap in reversed(self.swapped):
+            p._data, p._grad = data, grad
+            if not swap and p.grad_req != "null" and grad is not None:
+                autograd.mark_variables(data, grad, p.grad_req)
+        if self.trainer_state is not None:
+            self.trainer_state.restore()
+
+
+def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch) -> dict[int, LogHistogram]:
+    """Forward and backward with taps, then the histograms; returns each layer parameter's weight
+    histogram by id. The binning waits for MXNet's queued work (``mx.nd.waitall``): run at once,
+    MXNet's kernels and numpy's binning (and its Python, holding the GIL) slow each other down by
+    more than they overlap."""
+    layer_params = list({id(p): p for layer in table for p in layer.params}.values())
+    weights = {i: sandbox.binned.pop(i) for p in layer_params if (i := id(p)) in sandbox.binned}
+    weights.update((id(p), histogram(p.data(), scratch)) for p in layer_params if id(p) not in weights)
+    sandbox.binned.clear()
+    for layer in table:
+        found[layer.name, "weight"] += [weights[id(p)] for p in layer.params]
+    taps.clear()
+    with autograd.record(train_mode=True):
+        loss = _loss(model, batch, loss_fn)
+    for p in sandbox.params:
+        if p.grad_req != "null":
+            for d in p.list_data():
+                d._fresh_grad = False  # backward sets it on what it writes
         if p.grad_req == "add":
             for g in p.list_grad():
                 g[:] = 0
-    taps.clear()
-    weights = {id(p): histogram(p.data(), scratch) for layer in table for p in layer.params}
-    for layer in table:
-        found[layer.name, "weight"] += [weights[id(p)] for p in layer.params]
-    with autograd.record(train_mode=True):
-        loss = _loss(model, batch, loss_fn)
     _backward(loss)
-    for name, out, z in taps:  # binned now, not in the forward: MXNet queues the forward and backward
+    mx.nd.waitall()
+    for name, out, z in taps:
         found[name, "output"].append(histogram(out, scratch))
         if z._fresh_grad:
             found[name, "grad_output"].append(histogram(z.grad, scratch))
@@ -190,32 +261,112 @@ def _step(model, batch, loss_fn, table, trained, found, taps, scratch) -> dict[i
     return weights
 
 
-def _copy_into(value, target):
-    if target is None:
-        return value.copy()
-    value.copyto(target)
-    return target
+def _host_array(size: int, dtype, lane: int, zeros: bool = False) -> np.ndarray:
+    """A flat numpy array of ``size`` elements (``zeros``: zero-filled) whose address lies ``lane``
+    KiB past a 4 KiB boundary (lanes 0-3). Arrays one kernel streams together (a weight, its gradient
+    and its optimizer states) go in different lanes: loads stall behind stores to addresses equal in
+    their low 12 bits (4K aliasing; MXNet's Adam ran about twice as slow on numpy's large arrays, all
+    16 bytes past a boundary)."""
+    itemsize = np.dtype(dtype).itemsize
+    buf = np.empty(size + 4096 // itemsize, dtype)  # np.zeros's calloc would fault in 4 KiB pages
+    start = ((lane % 4 * 1024 - buf.ctypes.data) % 4096) // itemsize
+    out = buf[start : start + size]
+    if zeros:
+        out.fill(0)
+    return out
 
 
-def _tapped(name: str, forward, taps):
+def _save(x, into=None, lane: int = 0):
+    """A copy of ``x``'s values (into ``into``, an earlier copy of ``x``, if given): of host memory a
+    flat numpy array (``_host_array``), else an NDArray."""
+    if np.dtype(x.dtype).names is None:  # not bfloat16, which numpy and from_numpy do not know
+        with _host_view(x, x.dtype) as view:
+            if view is not None:
+                out = _host_array(view.size, view.dtype, lane) if into is None else into
+                np.copyto(out, view)
+                return out
+    if into is None:
+        return x.copy()
+    x.copyto(into)
+    return into
+
+
+def _save_binned(x, scratch: _Scratch, into=None, lane: int = 0) -> tuple:
+    """``(_save(x, into), histogram(x))``, in one pass over a float32 array in host memory."""
+    if dtype_name(x.dtype) == "float32":
+        with _host_view(x, np.int32) as view:
+            if view is not None:
+                out = _host_array(x.size, np.float32, lane) if into is None else into  # flat, as _save's
+                return out, _host_hist(view, "float32", scratch, copy=out.view(np.int32))
+    return _save(x, into, lane), histogram(x, scratch)
+
+
+def _copy_binned(x, scratch: _Scratch) -> tuple:
+    """A working copy of ``x`` (an array of its type; in numpy memory where ``_in_numpy``) and the
+    histogram of its values."""
+    values, hist = _save_binned(x, scratch)
+    if isinstance(values, mx.nd.NDArray):
+        return values, hist
+    if _in_numpy(x):
+        return mx.nd.from_numpy(values.reshape(x.shape), zero_copy=True, array_cls=type(x)), hist
+    return x.copy(), hist
+
+
+def _gradient_buffer(x, grad_req: str):
+    """A fresh gradient buffer like ``x``: where ``_in_numpy``, in numpy memory (lane 1), zeros for
+    ``grad_req='add'`` and left as it is for 'write' (backward writes it whole, and one it did not
+    write is not read); else MXNet's zeros."""
+    if _in_numpy(x):
+        buffer = _host_array(x.size, x.dtype, lane=1, zeros=grad_req == "add").reshape(x.shape)
+        return mx.nd.from_numpy(buffer, zero_copy=True, array_cls=type(x))
+    return mx.nd.zeros(x.shape, ctx=x.context, dtype=x.dtype, stype=x.stype)
+
+
+def _tapped(name: str, forward, taps, addends: _Addends):
     """``forward`` that keeps each floating output (in ``taps``, binned after backward) and returns
-    it plus a -0.0 gradient tap."""
+    it plus a -0.0 gradient tap (``addends``)."""
 
     def tap(out):
         if isinstance(out, (list, tuple)):
             return type(out)(tap(o) for o in out)
         if not isinstance(out, mx.nd.NDArray) or dtype_name(out.dtype) not in _WIDTHS:
             return out
-        with autograd.pause():
-            z = -mx.nd.zeros(out.shape, ctx=out.context, dtype=out.dtype)
-        z.attach_grad()
+        tapped, z = addends(out)
         taps.append((name, out, z))
-        return out + z
+        return tapped
 
     def tapped(*args):
         return tap(forward(*args))
 
     return tapped
+
+
+class _Addends:
+    """``out + z`` and ``z``, a -0.0 array with a gradient buffer. Where ``_in_numpy(out)`` all three
+    lie in numpy memory: the ``z`` are views of one shared buffer of -0.0 (only read), the sums and
+    gradients buffers of their own (written once, by the forward and the backward)."""
+
+    def __init__(self) -> None:
+        self._zeros: dict[np.dtype, np.ndarray] = {}
+
+    def __call__(self, out) -> tuple:
+        dtype = np.dtype(out.dtype)
+        if not _in_numpy(out):
+            with autograd.pause():
+                z = -mx.nd.zeros(out.shape, ctx=out.context, dtype=out.dtype)
+            z.attach_grad()
+            return out + z, z
+        zeros = self._zeros.get(dtype)
+        if zeros is None or zeros.size < out.size:
+            zeros = self._zeros[dtype] = _host_array(out.size, dtype, lane=1)
+            zeros[:] = -0.0
+        z = mx.nd.from_numpy(zeros[: out.size].reshape(out.shape), zero_copy=True)
+        autograd.mark_variables(z, self._buffer(out, lane=2))
+        return mx.nd.elemwise_add(out, z, out=self._buffer(out, lane=3)), z
+
+    @staticmethod
+    def _buffer(like, lane: int):
+        return mx.nd.from_numpy(_host_array(like.size, like.dtype, lane).reshape(like.shape), zero_copy=True)
 
 
 def _backward(loss) -> None:
@@ -233,7 +384,7 @@ def _backward(loss) -> None:
 class _TrainerState:
     """What ``trainer.step`` changes, and its restore: the trainer's and its optimizer's attributes
     (shallow), the optimizer's update counts and LR scheduler, and each updater's states, swapped for
-    copies during the step (so the original state arrays are never written)."""
+    copies (``swap``) during the step (so the original state arrays are never written)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -244,6 +395,8 @@ class _TrainerState:
         sched = opt.lr_scheduler
         self.sched = (sched, dict(vars(sched))) if sched is not None else None
         self.updaters = [(u, dict(vars(u))) for u in trainer._updaters]
+
+    def swap(self) -> None:
         for u, _ in self.updaters:
             u.states = {k: _copy_state(v) for k, v in u.states.items()}
             u.states_synced = dict(u.states_synced)
@@ -269,11 +422,16 @@ class _TrainerState:
         vars(self.trainer).update(self.attrs)
 
 
-def _copy_state(state):
+def _copy_state(state, lane: int = 2):
+    """A copy of an optimizer state (an NDArray, or a tuple of them and others): in numpy memory where
+    ``_in_numpy`` (the states of a tuple in lanes 2, 3, ...), else MXNet's."""
     if isinstance(state, mx.nd.NDArray):
+        saved = _save(state, lane=lane) if _in_numpy(state) else None
+        if isinstance(saved, np.ndarray):
+            return mx.nd.from_numpy(saved.reshape(state.shape), zero_copy=True, array_cls=type(state))
         return state.copy()
     if isinstance(state, (list, tuple)):
-        return type(state)(_copy_state(s) for s in state)
+        return type(state)(_copy_state(s, lane + i) for i, s in enumerate(state))
     return state
 
 
@@ -383,8 +541,9 @@ _NAN_BITS = 0x7FC00000  # a float32 NaN: quantize_v2's min and max skip it, its 
 
 
 class _Scratch:
-    """Flat work buffers kept for one ``collect`` (by slot, dtype and context): MXNet writes into an
-    existing NDArray several times faster than into a fresh one, whose pages fault in on CPU."""
+    """Work buffers kept for one ``collect``: MXNet's, flat (by slot, dtype and context; MXNet writes
+    into an existing NDArray several times faster than into a fresh one, whose pages fault in on
+    CPU), and numpy's (a chunk each, ``host``; ``magnitudes``)."""
 
     def __init__(self) -> None:
         self._bufs: dict[tuple, mx.nd.NDArray] = {}
@@ -404,6 +563,24 @@ class _Scratch:
         buf = self._bufs[key]
         return buf if buf.size == like.size else buf[: like.size]
 
+    def magnitudes(self, x) -> np.ndarray:
+        """``|x|`` (float32 on ``mx.cpu()``), written by MXNet in the default layout into numpy memory
+        kept for the call, as flat int32 bits."""
+        buf = self._bufs.get("magnitudes")
+        if buf is None or buf.size < x.size:
+            buf = self._bufs["magnitudes"] = _host_array(x.size, np.float32, lane=1)
+        flat = buf[: x.size]
+        with autograd.pause():
+            mx.nd.abs(x, out=mx.nd.from_numpy(flat.reshape(x.shape), zero_copy=True)).wait_to_read()
+        return flat.view(np.int32)
+
+    def host(self, slot: str, dtype, size: int) -> np.ndarray:
+        """A numpy work buffer of ``size`` (at most ``_CHUNK``) elements, each slot in a lane of its own."""
+        key = ("host", slot, np.dtype(dtype))
+        if key not in self._bufs:
+            self._bufs[key] = _host_array(_CHUNK, dtype, lane=len(self._bufs))
+        return self._bufs[key][:size]
+
 
 def _spec(dtype) -> _Spec:
     name = dtype_name(dtype)
@@ -418,15 +595,23 @@ def _flat(x, spec: _Spec):
 
 
 def histogram(x, scratch: _Scratch | None = None) -> LogHistogram:
-    """The ``LogHistogram`` of a floating NDArray, binned by MXNet on its context (module docstring)."""
+    """The ``LogHistogram`` of a floating NDArray: by numpy on a view of host memory, else by MXNet on
+    its context (module docstring)."""
     spec = _spec(x.dtype)
     if not x.size:
         return _empty()
+    scratch = scratch or _Scratch()
+    name = dtype_name(x.dtype)
+    if name in _HOST_BITS:
+        with _host_view(x, _HOST_BITS[name]) as view:
+            if view is not None:
+                return _host_hist(view, name, scratch)
+        if name == "float32" and _in_numpy(x):  # a layout without a view: MKL-DNN's
+            return _host_hist(scratch.magnitudes(x), name, scratch)
     with autograd.pause():
         x = _flat(x, spec)
         if spec is not _F32:
             return _hist(mx.nd.abs(x), spec, None)
-        scratch = scratch or _Scratch()
         return _hist(mx.nd.abs(x, out=scratch("a", x, "float32")), spec, scratch)
 
 
@@ -445,10 +630,178 @@ def _bits(a, code: int = 0):
     """An NDArray's memory viewed as another type of the same width (no copy): its DLPack capsule with
     the type code set to ``code`` (0 int, the default; 2 float)."""
     capsule = mx.nd.to_dlpack_for_read(a)
-    managed = ctypes.POINTER(mx.nd.ndarray.DLManagedTensor)
-    tensor = ctypes.cast(_capsule_pointer(capsule, b"dltensor"), managed).contents
+    tensor = ctypes.cast(_capsule_pointer(capsule, b"dltensor"), _MANAGED).contents
     tensor.dl_tensor.dtype.type_code = code
     return mx.nd.from_dlpack(capsule)
+
+
+# -- binning in numpy, on host memory -------------------------------------------------------------
+_HOST_BITS = {"float32": np.int32, "float16": np.float16, "bfloat16": np.uint16}  # the view binned
+
+
+@contextlib.contextmanager
+def _host_view(x, dtype):
+    """``x``'s memory as a flat read-only numpy array of ``dtype`` (no copy), valid inside the ``with``
+    block only (the DLPack capsule held meanwhile keeps the memory alive), read after MXNet's pending
+    writes to ``x``; None where it is not host memory in the default storage and layout (another
+    context; MKL-DNN's blocked layouts, which have no DLPack view)."""
+    if not x.size or x.stype != "default" or x.context.device_type not in _HOST_DEVICES:
+        yield None
+        return
+    try:
+        capsule = mx.nd.to_dlpack_for_read(x)  # waits for the pending writes
+    except mx.base.MXNetError:
+        yield None
+        return
+    tensor = ctypes.cast(_capsule_pointer(capsule, b"dltensor"), _MANAGED).contents.dl_tensor
+    memory = (ctypes.c_char * (x.size * np.dtype(x.dtype).itemsize)).from_address(
+        tensor.data + tensor.byte_offset
+    )
+    view = np.frombuffer(memory, dtype)
+    view.flags.writeable = False
+    yield view
+
+
+def _in_numpy(x) -> bool:
+    """Whether ``x``'s copies and work arrays may lie in numpy memory: a default-storage array of a
+    dtype numpy knows, on ``mx.cpu()`` (where ``from_numpy`` makes its arrays)."""
+    return (x.stype == "default" and x.context == mx.cpu() and x.context.device_type in _HOST_DEVICES
+            and np.dtype(x.dtype).names is None)  # fmt: skip
+
+
+def _magnitudes(chunk: np.ndarray, name: str, scratch: _Scratch) -> np.ndarray:
+    """The int32 bits of ``|chunk|`` in float32 (fp16 and bf16 widened exactly), in a work buffer."""
+    a = scratch.host("a", np.int32, chunk.size)
+    if name == "float32":
+        np.bitwise_and(chunk, _MASK, out=a)
+        return a
+    if name == "float16":
+        np.copyto(a.view(np.float32), chunk)
+    else:  # bfloat16: a float32's upper half
+        bits = a.view(np.uint32)
+        np.copyto(bits, chunk)
+        np.left_shift(bits, 16, out=bits)
+    np.bitwise_and(a, _MASK, out=a)
+    return a
+
+
+def _host_hist(view: np.ndarray, name: str, scratch: _Scratch, copy: np.ndarray | None = None):
+    """The histogram of a host array (``view``: its ``_HOST_BITS``), in chunks of ``_CHUNK``: for the
+    float32 magnitude bits ``a`` of each, ``a >> 19`` counted by ``bincount`` (the module docstring's
+    keys), ``a.min()`` and ``a.max()``. A chunk with inf/NaN takes its finite maximum from
+    ``(a - 0x7f800000) & 0x7fffffff``, which puts every finite ``a`` above them, 0x800000 higher; one
+    with zeros counts them and takes its non-zero minimum from ``(a - 1) & 0x7fffffff`` (zero wraps to
+    the largest); subnormals found there (rare) are binned by the core's ``bin_index``. With ``copy``
+    (of ``view``'s shape and dtype), each chunk is first copied there and binned from there."""
+    keys = np.zeros(_F32.keys, np.int64)
+    subnormal = np.zeros(N_BINS, np.int64)
+    zeros, lo, hi = 0, _INF, -1  # lo: the least non-zero a (_INF: none); hi: the largest finite a (-1: none)
+    for start in range(0, view.size, _CHUNK):
+        chunk = view[start : start + _CHUNK]
+        if copy is not None:
+            chunk = copy[start : start + _CHUNK]
+            np.copyto(chunk, view[start : start + _CHUNK])
+        a = _magnitudes(chunk, name, scratch)
+        k = scratch.host("k", np.intp, a.size)
+        np.right_shift(a, _F32.shift, out=k)
+        keys += np.bincount(k, minlength=_F32.keys)
+        least, most = int(a.min()), int(a.max())
+        if most >= _INF:
+            np.subtract(a, _INF, out=a)
+            np.bitwise_and(a, _MASK, out=a)
+            most = int(a.max()) - _NORMAL  # negative: no finite element
+            if least < _NORMAL:
+                a = _magnitudes(chunk, name, scratch)
+        if least < _NORMAL:
+            nonzero = np.count_nonzero(a)
+            zeros += a.size - nonzero
+            least = _INF
+            if nonzero:
+                np.subtract(a, 1, out=a)
+                np.bitwise_and(a, _MASK, out=a)
+                least = int(a.min()) + 1
+                if least < _NORMAL:
+                    tiny = (a[a < _NORMAL - 1] + 1).view(np.float32)
+                    subnormal += np.bincount(bin_index(tiny), minlength=N_BINS)
+        lo, hi = min(lo, least), max(hi, most)
+    top = _F32.inf >> _F32.shift
+    return LogHistogram.from_counts(
+        _spec_counts(keys, _F32) + subnormal,
+        zeros=zeros,
+        nonfinite=int(keys[top:].sum()),
+        amax=_float(hi, _F32) if hi > 0 else 0.0,
+        amin_nonzero=_float(lo, _F32) if lo < _INF else None,
+    )
+
+
+def _host_update(weight, before, before_hist: LogHistogram, scratch: _Scratch):
+    """``_update``'s float32 fast path on host memory (``before``: the weight's values before the step,
+    an NDArray or a flat numpy array), or None where it does not apply (the caller goes on). In
+    chunks: ``u = after - before``, ``a = bits(u) & 0x7fffffff``, the ratio bits ``a - (bits(w) &
+    0x7f800000) + 0x3f800000``, set to 0 where ``u`` or ``w`` is zero (key 0; every other ratio is
+    normal), counted as in ``_host_hist``."""
+    if before_hist.nonfinite or (before_hist.amin_nonzero or 1.0) < 2.0**-102:
+        return None
+    floor = _bits_of(before_hist.amin_nonzero) >> _F32.mant if before_hist.amin_nonzero else 0
+    keys = np.zeros(_F32.keys, np.int64)
+    lo, hi = _INF, -1
+    with _host_view(weight, np.float32) as after, _host_values(before) as before:
+        if after is None or before is None:
+            return None
+        for start in range(0, after.size, _CHUNK):
+            w = before[start : start + _CHUNK].view(np.int32)
+            u = scratch.host("u", np.float32, w.size)
+            np.subtract(after[start : start + _CHUNK], w.view(np.float32), out=u)
+            a = u.view(np.int32)
+            np.bitwise_and(a, _MASK, out=a)
+            most = int(a.max())
+            if most >= _INF or (floor and (most >> _F32.mant) - floor > 127):  # a ratio of 2^128 or more
+                return None
+            r = scratch.host("r", np.int32, w.size)
+            np.bitwise_and(w, _INF, out=r)  # 2^b(w); 0 for w == 0 (no w is subnormal here)
+            masks = []
+            if before_hist.zeros:
+                masks.append(np.equal(r, 0, out=scratch.host("w0", np.bool_, w.size)))
+            np.subtract(a, r, out=r)
+            np.add(r, _ONE, out=r)
+            if int(a.min()) == 0:
+                masks.append(np.equal(a, 0, out=scratch.host("u0", np.bool_, w.size)))
+            for mask in masks:
+                np.copyto(r, 0, where=mask)
+            k = scratch.host("k", np.intp, w.size)
+            np.right_shift(r, _F32.shift, out=k)
+            keys += np.bincount(k, minlength=_F32.keys)
+            hi = max(hi, int(r.max()))
+            if masks:  # the zeros set wrap to the largest
+                np.subtract(r, 1, out=r)
+                np.bitwise_and(r, _MASK, out=r)
+                lo = min(lo, int(r.min()) + 1)
+            else:
+                lo = min(lo, int(r.min()))
+    special = int(keys[:SUB].sum())
+    regular = before.size - special
+    return LogHistogram.from_counts(
+        _spec_counts(keys, _F32),
+        zeros=special - before_hist.zeros,
+        nonfinite=0,
+        amax=_float(hi, _F32) if regular else 0.0,
+        amin_nonzero=_float(lo, _F32) if regular else None,
+        apart=before_hist.zeros,
+    )
+
+
+@contextlib.contextmanager
+def _host_values(x):
+    """A flat float32 numpy ``x`` as it is, an NDArray's ``_host_view``."""
+    if isinstance(x, np.ndarray):
+        yield x.reshape(-1)
+    else:
+        with _host_view(x, np.float32) as view:
+            yield view
+
+
+def _bits_of(x: float) -> int:
+    return int(np.array(x, np.float32).view(np.int32))
 
 
 def _keys(ia, spec: _Spec) -> np.ndarray:
@@ -487,9 +840,13 @@ def _empty(zeros: int = 0) -> LogHistogram:
 def _spec_counts(keys: np.ndarray, spec: _Spec) -> np.ndarray:
     """The spec's counts of the normal floats among the key counts ``keys``."""
     top = spec.inf >> spec.shift
-    counts = np.zeros(N_BINS, np.int64)
-    np.add.at(counts, np.clip(np.arange(SUB, top) + spec.offset, 0, N_BINS - 1), keys[SUB:top])
-    return counts
+    first, last = SUB + spec.offset, top - 1 + spec.offset
+    if first >= 0 and last < N_BINS:  # float32: each normal key is a bin of its own
+        counts = np.zeros(N_BINS, np.int64)
+        counts[first : last + 1] = keys[SUB:top]
+        return counts
+    index = np.clip(np.arange(SUB, top) + spec.offset, 0, N_BINS - 1)
+    return np.bincount(index, weights=keys[SUB:top], minlength=N_BINS).astype(np.int64)  # exact below 2^53
 
 
 def _hist(a, spec: _Spec, scratch: _Scratch | None) -> LogHistogram:
@@ -542,7 +899,15 @@ def _update(weight, before, before_hist: LogHistogram, scratch: _Scratch) -> Log
     ``w``), so each ratio of a non-zero ``w`` is normal unless it reaches 2^128 (bounded by max |u|
     and min |w|). The ratios' bits (module docstring) are binned as a histogram, those of a zero
     ``u`` or ``w`` set to NaN (their key is a non-finite one: the ``w == 0`` are ``apart``, the others
-    ``zeros``). Otherwise (or a non-finite update) ``_ratio64``."""
+    ``zeros``). Otherwise (or a non-finite update) ``_ratio64``. Float32 arrays in host memory take
+    ``_host_update`` first (``before`` an NDArray or a numpy copy, ``_save``); a numpy ``before`` it
+    leaves goes on as an NDArray on the same memory."""
+    if dtype_name(weight.dtype) == dtype_name(before.dtype) == "float32":
+        found = _host_update(weight, before, before_hist, scratch)
+        if found is not None:
+            return found
+    if isinstance(before, np.ndarray):
+        before = mx.nd.from_numpy(before.reshape(weight.shape), zero_copy=True).as_in_context(weight.context)
     spec = _spec(before.dtype)
     w = _flat(before, spec)
     fast = spec is _F32 and not before_hist.nonfinite and (before_hist.amin_nonzero or 1.0) >= 2.0**-102
