@@ -28,7 +28,7 @@ with warnings.catch_warnings():
 from mxnet import autograd, gluon  # noqa: E402
 from mxnet.contrib.amp.amp import bfloat16  # noqa: E402
 
-import polyamp.mxnet.doctor as doctor  # noqa: E402
+import polyamp.mxnet.binning as binning  # noqa: E402
 from polyamp.mxnet.doctor import collect, histogram, ratio_histogram  # noqa: E402
 from polyamp.mxnet.keep import float32_operators, keep_float32  # noqa: E402
 
@@ -80,7 +80,7 @@ def path(request, monkeypatch):
     """Each binning path: numpy on host memory, or (no context counted as host memory, as on a GPU)
     MXNet's ops, copies and taps."""
     if request.param == "mxnet":
-        monkeypatch.setattr(doctor, "_HOST_DEVICES", frozenset())
+        monkeypatch.setattr(binning, "_HOST_DEVICES", frozenset())
     return request.param
 
 
@@ -185,7 +185,7 @@ def test_host_arrays_are_binned_where_they_lie(monkeypatch):
 def test_on_the_mxnet_path_only_counts_and_scalars_reach_the_host(monkeypatch):
     """MXNet's path (a GPU's) moves key counts (4096; 32768 for the rare float64 rebinning) and a few
     scalars."""
-    monkeypatch.setattr(doctor, "_HOST_DEVICES", frozenset())
+    monkeypatch.setattr(binning, "_HOST_DEVICES", frozenset())
     seen = spy_host_reads(monkeypatch)
     observe_relu_net()
     assert seen and max(seen) <= 32768 < 256 * 256
@@ -195,7 +195,7 @@ def test_on_the_mxnet_path_only_counts_and_scalars_reach_the_host(monkeypatch):
 def test_chunks_with_zeros_infs_nans_and_subnormals_apart_combine_exactly():
     """numpy bins in chunks: one of zeros only, one of inf/NaN only, one with both amid normal
     values, one with subnormals, and a short last one holding the maximum."""
-    n = doctor._CHUNK
+    n = binning._CHUNK
     x = np.random.default_rng(8).standard_normal(4 * n + 5).astype(np.float32)
     x[:n] = np.resize(np.array([0.0, -0.0], np.float32), n)
     x[n : 2 * n] = np.resize(np.array([np.inf, -np.inf, np.nan], np.float32), n)
@@ -228,8 +228,9 @@ def test_an_array_in_mkldnn_layout_is_written_out_by_mxnet(monkeypatch):
     """A convolution's output (MKL-DNN's blocked layout, in a build with it) has no plain view: MXNet's
     abs writes it out into numpy memory, which numpy bins."""
     calls = []
-    magnitudes = doctor._Scratch.magnitudes
-    monkeypatch.setattr(doctor._Scratch, "magnitudes", lambda self, x: calls.append(1) or magnitudes(self, x))
+    magnitudes = binning._Scratch.magnitudes
+    spy = lambda self, x: calls.append(1) or magnitudes(self, x)  # noqa: E731
+    monkeypatch.setattr(binning._Scratch, "magnitudes", spy)
     x, w = mx.nd.random.normal(shape=(2, 3, 12, 12)), mx.nd.random.normal(shape=(8, 3, 3, 3))
     with float32_operators():  # not contrib.amp's bf16 convolution
         y = mx.nd.Convolution(x, w, kernel=(3, 3), num_filter=8, no_bias=True)
@@ -242,7 +243,7 @@ def test_update_ratios_of_host_arrays_equal_the_numpy_core(path, before_in):
     """``_update`` (a step's update of a float32 weight): lost updates, zero weights, and the cases its
     fast path leaves to float64 (a tiny weight, a non-finite update, a ratio beyond float32)."""
     rng = np.random.default_rng(10)
-    n = 2 * doctor._CHUNK + 3
+    n = 2 * binning._CHUNK + 3
     w = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(np.float32)
     after = (w + rng.standard_normal(n).astype(np.float32) * np.float32(1e-3) * np.abs(w)).astype(np.float32)
     w[:40], after[20:60] = 0.0, w[20:60]  # zero weights (some updated), lost updates
@@ -254,7 +255,7 @@ def test_update_ratios_of_host_arrays_equal_the_numpy_core(path, before_in):
         cases[name] = (a, b)
     for name, (a, b) in cases.items():
         before = mx.nd.array(b) if before_in == "ndarray" else b.copy()
-        got = doctor._update(mx.nd.array(a), before, histogram(mx.nd.array(b)), doctor._Scratch())
+        got = binning._update(mx.nd.array(a), before, histogram(mx.nd.array(b)), binning._Scratch())
         with np.errstate(invalid="ignore", over="ignore"):
             assert got == update_ratio_histogram(a - b, b), name
     assert got.apart == 40 and got.zeros >= 20
@@ -273,7 +274,7 @@ def test_importing_the_taps_keeps_mxnets_dlpack_deleter_working(monkeypatch):
 
 def test_work_arrays_lie_in_their_lanes():
     for lane in range(4):
-        a = doctor._host_array(100_000, np.float32, lane, zeros=True)
+        a = binning._host_array(100_000, np.float32, lane, zeros=True)
         assert a.ctypes.data % 4096 == lane * 1024 and a.shape == (100_000,) and not a.any()
 
 
@@ -443,7 +444,7 @@ def test_the_mxnet_path_observes_the_same_and_changes_nothing(monkeypatch):
     model, trainer, batch = trained_net(scheduler=True)
     on_host = collect(model, batch, gluon.loss.L2Loss(), steps=2, optimizer=trainer)
     before = snapshot(model, trainer)
-    monkeypatch.setattr(doctor, "_HOST_DEVICES", frozenset())
+    monkeypatch.setattr(binning, "_HOST_DEVICES", frozenset())
     with_mxnet = collect(model, batch, gluon.loss.L2Loss(), steps=2, optimizer=trainer)
     assert snapshot(model, trainer) == before
     assert [(o.layer, o.kind, o.hist) for o in with_mxnet] == [(o.layer, o.kind, o.hist) for o in on_host]
