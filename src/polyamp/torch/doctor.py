@@ -125,8 +125,8 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t``; a large contiguous CPU tensor is copied into numpy-allocated memory, which the
-    kernel backs with huge pages: 3.4x faster to fill than a fresh torch allocation on this project's
-    machine (28 ms against 8 ms for 64 MB), the cost the snapshot is made of."""
+    kernel backs with huge pages: ~3x faster to fill than a fresh torch allocation on this project's
+    machine (benchmarks/host_copy_torch.py), the cost the snapshot is made of."""
     t = t.detach()
     if t.device.type != "cpu" or not t.is_contiguous() or t.numel() * t.element_size() < 1 << 20:
         return t.clone()
