@@ -43,6 +43,7 @@ from jax import lax
 from jax.extend import core as jcore
 
 from ..doctor.recommend import KINDS, Observation
+from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
 from .binning import _F64, _histogram, _layout, _stats, histogram, ratio_histogram
@@ -81,10 +82,6 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
         hists = [_histogram(counts[g], ends[g, :n], lay, ratio) for counts, ends in found] * (steps // runs)
         observations.append(Observation(layer, kind, hists[0].merge(*hists[1:]) if hists[1:] else hists[0]))
     return observations
-
-
-def _type(x) -> str:
-    return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
 def _check_params(model):

@@ -72,6 +72,8 @@ import numpy as np
 
 from ..doctor.histogram import LogHistogram
 from ..doctor.recommend import KINDS, Observation
+from ..doctor.taps import leaves as _leaves
+from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
 from .binning import (
@@ -445,18 +447,6 @@ def _parameters(model, trainer) -> list:
     own = list(model.collect_params().values())
     extra = list(trainer._params) if trainer is not None else []
     return list({id(p): p for p in own + extra}.values())
-
-
-def _type(x) -> str:
-    return f"{type(x).__module__}.{type(x).__qualname__}"
-
-
-def _leaves(x):
-    if isinstance(x, (tuple, list)):
-        return [leaf for v in x for leaf in _leaves(v)]
-    if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in _leaves(v)]
-    return [x]
 
 
 def _loss(model, batch, loss_fn):

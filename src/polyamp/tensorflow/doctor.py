@@ -47,6 +47,7 @@ import tensorflow as tf
 
 from ..doctor.histogram import LogHistogram
 from ..doctor.recommend import KINDS, Observation
+from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
 from .binning import histogram, ratio_histogram
@@ -295,10 +296,6 @@ def _check(model, batch, loss_fn, steps, optimizer) -> None:
     if isinstance(batch, (tuple, list)) and not 1 <= len(batch) <= 3:
         raise PolyampError(f"batch: expected x, (x, y) or (x, y, sample_weight) as Keras's fit takes them, "
                            f"got a {type(batch).__name__} of {len(batch)} items")  # fmt: skip
-
-
-def _type(x) -> str:
-    return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
 # -- binning ------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ from torch import nn
 
 from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram
 from ..doctor.recommend import KINDS, Observation
+from ..doctor.taps import leaves as _leaves
+from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
 
@@ -185,18 +187,6 @@ def _check(model, batch, loss_fn, steps, optimizer) -> None:
     if isinstance(batch, (tuple, list)) and len(batch) != 2:
         raise PolyampError(f"batch: expected a tensor, an (inputs, targets) pair or a dict, got a "
                            f"{type(batch).__name__} of {len(batch)} items")  # fmt: skip
-
-
-def _type(x) -> str:
-    return f"{type(x).__module__}.{type(x).__qualname__}"
-
-
-def _leaves(x):
-    if isinstance(x, (tuple, list)):
-        return [leaf for v in x for leaf in _leaves(v)]
-    if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in _leaves(v)]
-    return [x]
 
 
 def _layers(model: nn.Module) -> list[tuple[str, nn.Module | None, list[torch.Tensor]]]:
