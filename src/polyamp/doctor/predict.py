@@ -21,6 +21,13 @@ Rules (each stated once; ``v = scale * |x|``, rounded as ``polyamp.numerics.quan
   sqrt(mean(((q(x) - x) / x)^2)), taking each piece [a, b)'s mean of d^2 / x^2 as E[d^2] / (a b);
   ``sqnr_db`` is 10 log10(sum x^2 / sum (q(x) - x)^2).
 - Every fraction is of ``total`` (all elements, zeros and non-finite included).
+- Backward noise (``noise`` > 0, for a gradient computed by a backward pass in the format: ``chain.py``):
+  before its own rounding, each non-zero element carries zero-mean Gaussian noise of variance
+  ``noise * mean(v^2)``, and it flushes when ``|v + noise|`` does: per uniform piece [a, b) that is
+  ``sigma / (b - a) * [G((t - a) / s) - G((t - b) / s) - G((-t - a) / s) + G((-t - b) / s)]`` with
+  ``G(z) = z Phi(z) + phi(z)`` (the integral of the normal CDF), ``t`` the flush limit and ``s`` = sigma.
+  Only ``flush`` moves (elements lifted off zero land subnormal; ``subnormal`` gives back what ``flush``
+  gains); the rounding error stays the cast's; the exact-extremes floor of one element still holds.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class Prediction:
     any_flush: bool
     rel_rms_error: float
     sqnr_db: float  # inf when nothing is rounded
+    underflow_noise: float  # the squared error of flushed and subnormal elements / signal energy
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -104,10 +112,14 @@ def _classify_points(v: np.ndarray, lim: _Limits) -> tuple[np.ndarray, np.ndarra
     return flush, sub, over
 
 
-def predict(hist: LogHistogram, fmt: str | FloatFormat, scale: float = 1.0) -> Prediction:
-    """Predict casting ``scale * x`` to ``fmt`` from ``x``'s histogram (module docstring)."""
+def predict(hist: LogHistogram, fmt: str | FloatFormat, scale: float = 1.0, noise: float = 0.0
+            ) -> Prediction:  # fmt: skip
+    """Predict casting ``scale * x`` to ``fmt`` from ``x``'s histogram; ``noise``: the relative power of
+    the backward noise ``x`` carries before the cast (module docstring)."""
     fmt = get_format(fmt)
     scale = _scale(scale)
+    if not (isinstance(noise, (int, float)) and 0 <= noise < math.inf):
+        raise PolyampError(f"noise must be a finite relative power >= 0, got {noise!r}")
     _check_hist(hist)
     lim = _limits(fmt)
     idx = np.flatnonzero(hist.counts)
@@ -123,20 +135,25 @@ def predict(hist: LogHistogram, fmt: str | FloatFormat, scale: float = 1.0) -> P
         lo, hi = lo * scale, hi * scale
         point = hi <= lo
         counts = np.zeros(3)  # flush, subnormal, overflow
-        sums = np.zeros(3)  # relative squared error, noise energy, signal energy
+        sums = np.zeros(4)  # relative squared error, noise energy, signal energy, its part below min_normal
         _points(lo[point], c[point], lim, fmt, counts, sums)
         _spread(lo[~point], hi[~point], c[~point], lim, fmt, counts, sums)
+        if noise > 0 and lim.has_zero and sums[2] > 0:
+            sigma = math.sqrt(noise * sums[2] / hist.finite_nonzero)
+            moved = _noisy_flush(lo, hi, c, lim.flush, sigma) - counts[0]
+            counts[0] += moved
+            counts[1] = max(counts[1] - moved, 0.0)
     flush, sub, over = counts
     any_over = bool(_classify_points(np.array([hist.amax * scale]), lim)[2][0]) and hist.amax > 0
     over = max(over, 1.0) if any_over else 0.0
     if hist.amin_nonzero is not None:
         any_flush = bool(_classify_points(np.array([hist.amin_nonzero * scale]), lim)[0][0])
-        flush = max(flush, 1.0) if any_flush else 0.0
+        flush = max(flush, 1.0) if any_flush else flush if noise > 0 else 0.0
     else:
         any_flush = flush > 0
     fnz = hist.finite_nonzero
     kept = fnz - over
-    rel2, noise, signal = sums
+    rel2, error, signal, low_error = sums
     n = hist.total
     return Prediction(
         format=fmt.name,
@@ -151,7 +168,8 @@ def predict(hist: LogHistogram, fmt: str | FloatFormat, scale: float = 1.0) -> P
         any_overflow=any_over,
         any_flush=any_flush,
         rel_rms_error=math.sqrt(rel2 / kept) if kept > 0 else 0.0,
-        sqnr_db=10 * math.log10(signal / noise) if noise > 0 else math.inf,
+        sqnr_db=10 * math.log10(signal / error) if error > 0 else math.inf,
+        underflow_noise=low_error / signal if signal > 0 else 0.0,
     )
 
 
@@ -165,7 +183,8 @@ def _points(v, c, lim: _Limits, fmt: FloatFormat, counts, sums) -> None:
     v, c, flush = v[keep], c[keep], flush[keep]
     err = quantize(v, fmt) - v
     rel2 = np.where(flush, 1.0, (err / np.where(v > 0, v, 1.0)) ** 2)
-    sums += [(c * rel2).sum(), (c * err**2).sum(), (c * v**2).sum()]
+    low = v < fmt.min_normal
+    sums += [(c * rel2).sum(), (c * err**2).sum(), (c * v**2).sum(), (c * err**2)[low].sum()]
 
 
 def _spread(lo, hi, c, lim: _Limits, fmt: FloatFormat, counts, sums) -> None:
@@ -188,7 +207,9 @@ def _spread(lo, hi, c, lim: _Limits, fmt: FloatFormat, counts, sums) -> None:
     f_hi = np.minimum(hi, lim.flush) if lim.has_zero else lo
     flushed = np.clip(f_hi - lo, 0.0, None)
     sums[0] += (density * flushed).sum()
-    sums[1] += (density * _cube_diff(lo, np.maximum(f_hi, lo))).sum() / 3
+    flushed_sq = (density * _cube_diff(lo, np.maximum(f_hi, lo))).sum() / 3
+    sums[1] += flushed_sq
+    sums[3] += flushed_sq
     a = np.maximum(lo, lim.flush)
     b = top
     ok = b > a
@@ -200,6 +221,32 @@ def _spread(lo, hi, c, lim: _Limits, fmt: FloatFormat, counts, sums) -> None:
         sq = _grid_sq(p[use], r[use], e[use], fmt)
         sums[0] += (dens[use] * sq / (p[use] * r[use])).sum()
         sums[1] += (dens[use] * sq).sum()
+        sums[3] += (dens[use] * sq)[e[use] < fmt.emin].sum()
+
+
+def _noisy_flush(lo, hi, c, t: float, sigma: float) -> float:
+    """Elements of the pieces [lo, hi) (points where hi <= lo) with ``|v + N(0, sigma^2)| <= t``."""
+    point = hi <= lo
+    za, zb = (t - lo) / sigma, (t - hi) / sigma
+    ya, yb = (-t - lo) / sigma, (-t - hi) / sigma
+    width = np.where(point, 1.0, hi - lo)
+    spread = sigma / width * (_G(za) - _G(zb) - _G(ya) + _G(yb))
+    at_point = _Phi(za) - _Phi(ya)
+    return float((c * np.clip(np.where(point, at_point, spread), 0.0, 1.0)).sum())
+
+
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+
+
+def _Phi(z):
+    """The standard normal CDF."""
+    return _erfc(-np.asarray(z, np.float64) / math.sqrt(2)).astype(np.float64) / 2
+
+
+def _G(z):
+    """The integral of the normal CDF: z Phi(z) + phi(z)."""
+    z = np.asarray(z, np.float64)
+    return z * _Phi(z) + np.exp(-z * z / 2) / math.sqrt(2 * math.pi)
 
 
 def _cube_diff(a, b):

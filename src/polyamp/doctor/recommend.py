@@ -11,7 +11,8 @@ Rules (the thresholds are the named constants below, each with its reason):
    - loss scale (fp16): the largest power of two S with S * (largest gradient) <= LOSS_SCALE_MARGIN * max,
      capped at MAX_LOSS_SCALE, over every output gradient and the weight gradients of layers not kept
      (a kept layer computes its weight gradient in fp32; its output gradient comes from the next layer);
-   - a layer whose gradients (output and weight, merged) flush to zero beyond GRAD_UNDERFLOW_MAX at S;
+   - a layer whose gradients (output and weight together) flush to zero beyond GRAD_UNDERFLOW_MAX at S,
+     each predicted with the rounding noise of a backward pass in the format (``chain.py``);
    - updates: lost (``predict.lost_updates``) in weights stored in the policy's format; fp32 master
      weights are needed when the model-wide lost fraction or any layer's is past LOST_UPDATES_MAX (a
      mixed policy keeps them anyway: this says whether its "-true" form, low-precision weights, would
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import PolyampError, invalid
 from ..numerics import FloatFormat, get_format
+from .chain import gradient_predictions
 from .histogram import LogHistogram
 from .predict import lost_updates, predict
 
@@ -116,7 +118,7 @@ class Recommendation:
 
 def recommend(observations: Iterable[Observation]) -> Recommendation:
     """The recommendation for a model from its observations (module docstring for the rules)."""
-    table = _table(observations)
+    table = layer_table(observations)
     layers = list(table)
     bad = _first_nonfinite(table, layers)
     if bad is not None:
@@ -178,7 +180,8 @@ def recommend(observations: Iterable[Observation]) -> Recommendation:
     )
 
 
-def _table(observations) -> dict[str, dict[str, LogHistogram]]:
+def layer_table(observations) -> dict[str, dict[str, LogHistogram]]:
+    """layer -> kind -> histogram (repeated pairs merged), layers in the observations' order."""
     if isinstance(observations, Observation) or not isinstance(observations, Iterable):
         raise PolyampError(f"expected a sequence of Observation, got {type(observations).__name__}")
     table: dict[str, dict[str, LogHistogram]] = {}
@@ -235,22 +238,15 @@ def _check(table, policy: str, fmt: FloatFormat, scaled: bool) -> PolicyCheck:
         if kind == "grad_output" or (kind == "grad_weight" and layer not in keep)
     ]
     scale, scale_reason = _loss_scale(max((h.amax for h in grads), default=0.0), fmt, scaled)
+    preds = gradient_predictions(table, fmt, scale)
     for layer in layers:
-        hs = [table[layer][kind] for kind in GRAD_KINDS if kind in table[layer] and table[layer][kind].total]
-        if hs:
-            p = predict(hs[0].merge(*hs[1:]), fmt, scale)
-            if p.flush > GRAD_UNDERFLOW_MAX:
-                flag(
-                    layer,
-                    "gradient",
-                    "underflow",
-                    p.flush,
-                    f"gradients flush to zero in {fmt.name} at scale {_pow2(scale)}: {_pct(p.flush)}",
-                )
-    underflow = None
-    if grads and any(h.total for h in grads):
-        merged = grads[0].merge(*grads[1:])
-        underflow = predict(merged, fmt, scale).flush
+        flush = _flushed([preds[layer, k] for k in GRAD_KINDS if (layer, k) in preds])
+        if flush is not None and flush > GRAD_UNDERFLOW_MAX:
+            flag(layer, "gradient", "underflow", flush,
+                 f"gradients flush to zero in {fmt.name} at scale {_pow2(scale)}: {_pct(flush)}")  # fmt: skip
+    scaled_grads = [(layer, "grad_output") for layer in layers] + [(la, "grad_weight") for la in layers
+                                                                     if la not in keep]  # fmt: skip
+    underflow = _flushed([preds[key] for key in scaled_grads if key in preds])
     ratios = {
         layer: table[layer]["update_ratio"]
         for layer in layers
@@ -288,6 +284,12 @@ def _check(table, policy: str, fmt: FloatFormat, scaled: bool) -> PolicyCheck:
         master_reason,
         tuple(findings),
     )
+
+
+def _flushed(predictions) -> float | None:
+    """The flushed share of the elements of several predictions together (None: no element)."""
+    total = sum(p.total for p in predictions)
+    return sum(p.flush * p.total for p in predictions) / total if total else None
 
 
 def _loss_scale(amax: float, fmt: FloatFormat, scaled: bool) -> tuple[float, str]:

@@ -7,7 +7,8 @@
 ``report.loss_scale`` is a ``DynamicLossScale`` starting at the recommended scale (fp16-mixed) or None.
 Predictions per (layer, tensor kind, format): forward tensors at scale 1; gradients at scale 1 and, for a
 format that takes a loss scale, at the recommended one and the usual starts 2^16 and 2^24; updates: the
-share lost in weights stored in each format (``predict.lost_updates``).
+share lost in weights stored in each format (``predict.lost_updates``). A gradient's flush is predicted
+for a backward pass run in the format, with the rounding noise of the layers after it (``chain.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 
 from ..numerics import get_format
 from ..scaling import DynamicLossScale
-from .predict import lost_updates, predict, predict_scales
-from .recommend import GRAD_KINDS, KINDS, Finding, Observation, Recommendation
+from .chain import backward_noise, gradient_predictions
+from .predict import lost_updates, predict
+from .recommend import GRAD_KINDS, KINDS, Finding, Observation, Recommendation, layer_table
 
 # gradients of loss-scaled formats are also predicted at these scales (torch starts at 2^16, cap 2^24)
 SWEEP = tuple(2.0**k for k in range(0, 25, 4))
@@ -117,15 +119,19 @@ class Report:
         return sorted(self.rows, key=key)[:n]
 
     def scale_sweep(self, fmt: str = "fp16") -> list[dict]:
-        """Every observed gradient merged, predicted in ``fmt`` at each loss scale of SWEEP and the
-        recommended one: [{"scale", "overflow", "flush", "subnormal"}], by scale."""
-        grads = [ob.hist for ob in self.observations if ob.kind in GRAD_KINDS and ob.hist.total]
-        if not grads:
+        """Every observed gradient together (each with its backward noise), predicted in ``fmt`` at each
+        loss scale of SWEEP and the recommended one: [{"scale", "overflow", "flush", "subnormal"}]."""
+        if not any(ob.kind in GRAD_KINDS and ob.hist.total for ob in self.observations):
             return []
-        merged = grads[0].merge(*grads[1:])
+        table, fmt = layer_table(self.observations), get_format(fmt)
         scales = sorted({*SWEEP, *([self.initial_scale] if self.initial_scale else [])})
-        return [{"scale": s, **{k: getattr(p, k) for k in ("overflow", "flush", "subnormal")}}
-                for s, p in zip(scales, predict_scales(merged, fmt, scales))]  # fmt: skip
+        out = []
+        for s in scales:
+            preds = gradient_predictions(table, fmt, s).values()
+            total = sum(p.total for p in preds)
+            out.append({"scale": s, **{k: sum(getattr(p, k) * p.total for p in preds) / total
+                                       for k in ("overflow", "flush", "subnormal")}})  # fmt: skip
+        return out
 
     def summary(self) -> str:
         """The recommendation in a few lines, each with its reason."""
@@ -223,11 +229,21 @@ def build(observations, formats, *, framework: str, steps: int, seconds: float =
     rec = recommend(observations)
     fmts = tuple(get_format(f).name for f in formats)
     scale = rec.checks["fp16-mixed"].loss_scale if "fp16-mixed" in rec.checks else None
-    rows = tuple(_row(ob, fmts, scale) for ob in observations)
+    table, cache = layer_table(observations), {}
+
+    def noise(ob: Observation, fmt: str, s: float) -> float:
+        """The backward noise of a gradient (``chain.py``); 0 for forward tensors."""
+        if ob.kind not in GRAD_KINDS:
+            return 0.0
+        if (fmt, s) not in cache:
+            cache[fmt, s] = backward_noise(table, get_format(fmt), s)
+        return cache[fmt, s][ob.layer, ob.kind]
+
+    rows = tuple(_row(ob, fmts, scale, noise) for ob in observations)
     return Report(framework, fmts, steps, observations, rec, rows, seconds, model)
 
 
-def _row(ob: Observation, formats: tuple[str, ...], scale: float | None) -> Row:
+def _row(ob: Observation, formats: tuple[str, ...], scale: float | None, noise) -> Row:
     h = ob.hist
     preds: dict[str, dict] = {}
     for name in formats:
@@ -236,10 +252,12 @@ def _row(ob: Observation, formats: tuple[str, ...], scale: float | None) -> Row:
         if ob.kind == "update_ratio":
             preds[name] = lost_updates(h, name).to_json()
             continue
-        p = predict(h, name).to_json()
+        p = predict(h, name, noise=noise(ob, name, 1.0)).to_json()
+        if ob.kind in GRAD_KINDS:
+            p["backward_noise"] = noise(ob, name, 1.0)  # R at scale 1 (chain.py)
         if ob.kind in GRAD_KINDS and name in SCALED_FORMATS:
             scales = sorted({*SWEEP, *([scale] if scale else [])})
-            p["at_scale"] = {_pow2(s): predict(h, name, s).to_json() for s in scales}
+            p["at_scale"] = {_pow2(s): predict(h, name, s, noise(ob, name, s)).to_json() for s in scales}
             if scale:
                 p["at_recommended_scale"] = p["at_scale"][_pow2(scale)]
         preds[name] = p
