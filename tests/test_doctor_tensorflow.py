@@ -83,10 +83,12 @@ def test_float32_subnormals_zeros_and_extremes_are_binned_exactly():
     assert histogram(tf.constant([math.inf, 2.0, -3.0])).amax == 3.0
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_update_ratio_histogram_equals_the_numpy_core(dtype):
+@pytest.mark.parametrize("dtype, n", [("float32", 6000), ("float64", 6000), ("float16", 6000),
+                                      ("float32", 20000), ("float32", (1 << 18) + 4097)])  # fmt: skip
+def test_update_ratio_histogram_equals_the_numpy_core(dtype, n):
+    """Small tensors take the general kernel, larger float32 ones the XLA kernel (one chunk; chunks, the
+    last one shifted back over elements the one before counted)."""
     rng = np.random.default_rng(2)
-    n = 6000
     w = (rng.standard_normal(n) * np.exp2(rng.integers(-40, 40, n))).astype(np.float32)
     u = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 10, n))).astype(np.float32)
     with np.errstate(over="ignore"):
@@ -96,7 +98,8 @@ def test_update_ratio_histogram_equals_the_numpy_core(dtype):
     u[5] = 0
     assert ratio_histogram(tf.constant(u), tf.constant(w)) == update_ratio_histogram(u, w)
     specials = {0: (0.0, 1.0), 7: (1.0, 0.0), 11: (math.nan, 1.0), 13: (1.0, math.inf), 17: (0.0, 0.0),
-                19: (1e-44, 1.0), 23: (1.0, 1e-41), 29: (3e38, 1e-37), 31: (1e-37, 3e38)}  # fmt: skip
+                19: (1e-44, 1.0), 23: (1.0, 1e-41), 29: (3e38, 1e-37), n - 1: (1e-37, 3e38),
+                n - 2: (0.0, 2.0), n - 4096: (math.inf, 1.0)}  # fmt: skip
     with np.errstate(over="ignore"):
         for i, (ui, wi) in specials.items():
             u[i], w[i] = ui, wi
@@ -120,7 +123,8 @@ def test_float64_ratios_round_as_the_core_and_mixed_dtypes_widen_exactly():
 
 def test_only_small_arrays_reach_the_host(monkeypatch):
     """The taps read counts and a few scalars, never a whole tensor (every eager read goes through
-    ``_numpy``: ``.numpy()``, ``int()``, ``float()``, ``np.asarray``)."""
+    ``_numpy``: ``.numpy()``, ``int()``, ``float()``, ``np.asarray``): what they read does not grow with
+    the tensors."""
     from tensorflow.python.framework import ops
 
     seen = []
@@ -131,15 +135,63 @@ def test_only_small_arrays_reach_the_host(monkeypatch):
         return original(self)
 
     monkeypatch.setattr(ops._EagerTensorBase, "_numpy", spy)
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
-                              keras.layers.Dense(64)])  # 8192 weights a layer  # fmt: skip
-    x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
-    x[0, 0] = 1e-40  # subnormals, zeros (relu) and the special-element paths
-    adam = keras.optimizers.Adam()
-    collect(model, (tf.constant(x), tf.zeros((256, 64))), keras.losses.MeanSquaredError(), optimizer=adam)
+
+    def reads(width: int) -> list[int]:
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(width, activation="relu"),
+                                  keras.layers.Dense(64)])  # fmt: skip
+        x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+        x[0, 0] = 1e-40  # subnormals, zeros (relu) and the special-element paths
+        seen.clear()
+        collect(model, (tf.constant(x), tf.zeros((256, 64))), keras.losses.MeanSquaredError(),
+                optimizer=keras.optimizers.Adam())  # fmt: skip
+        return sorted(seen)
+
+    assert reads(512) == reads(2048) and len(reads(512)) == 1  # one record a step
+    seen.clear()
     histogram(tf.constant([0.0, 1e-41, math.inf] * 5000))
     ratio_histogram(tf.constant([0.0, 1e-41, 1.0] * 5000), tf.constant([1.0, 0.0, 1e-40] * 5000))
-    assert seen and max(seen) <= N_BINS + 3 < 64 * 128
+    assert seen and max(seen) <= 2 * N_BINS + 7 < 15000
+
+
+def test_records_in_a_traced_graph_equal_the_numpy_core():
+    """``records``, as the traced step bins: many tensors at once (the general kernel batched over small
+    ones and float64, the XLA kernel one by one over large ones), every dtype, special values, zero-size
+    tensors, update ratios of (after, before) pairs."""
+    from polyamp.tensorflow.binning import decode, records
+
+    items, want = [], []
+    for dtype, np_dtype in NP_DTYPES.items():
+        x = wide(30000, dtype, seed=3)
+        x[::89] = np.resize(special_values(dtype), x[::89].size)
+        for a in (x, x[:5000], special_values(dtype), np.zeros(0, np_dtype)):
+            items.append(tf.constant(a))
+            want.append(LogHistogram.of(a))
+    relu = np.maximum(np.random.default_rng(4).standard_normal((1 << 18) + 7), 0).astype(np.float32)
+    relu[-3:] = [np.nan, 1e-42, -np.inf]  # in the last chunk, shifted back over the one before
+    items.append(tf.constant(relu))
+    want.append(LogHistogram.of(relu))
+    rng = np.random.default_rng(5)
+    for n, dtype in ((30000, np.float32), (300, np.float32), (3000, np.float16), (20000, np.float64)):
+        before = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(dtype)
+        after = (before + rng.standard_normal(n) * np.exp2(rng.integers(-50, 0, n))).astype(dtype)
+        after[:n:7], before[1:n:97] = before[:n:7], 0  # lost updates, zero weights
+        after[5], before[9] = np.inf, 1e-40 if dtype == np.float32 else 0
+        items.append((tf.constant(after), tf.constant(before)))
+        with np.errstate(invalid="ignore"):
+            want.append(update_ratio_histogram(after - before, before))
+    spans = []
+
+    @tf.function
+    def binned():
+        vector, where = records(items)
+        spans[:] = where
+        return vector
+
+    vector = binned().numpy()
+    assert {layout for layout, _, _ in spans} == {"hist", "ratio"} and len(spans) == len(want)
+    assert vector.size == sum(stop - start for _, start, stop in spans)
+    for i, ((layout, start, stop), hist) in enumerate(zip(spans, want)):
+        assert decode(layout, vector[start:stop]) == hist, i
 
 
 # -- collect: never changes the model or the optimizer ----------------------------------------------
@@ -231,17 +283,24 @@ def test_a_global_seed_generator_made_during_the_step_is_forgotten_again():
 def test_collect_puts_everything_back_when_the_loss_raises():
     model, opt, batch = trained_net()
     before = snapshot(model, opt)
+
+    def failing_when_run(y, out):  # the graph fails in the second step: after a real optimizer step
+        check = tf.debugging.assert_less(opt.iterations, tf.constant(4, opt.iterations.dtype), "second step")
+        with tf.control_dependencies([check]):
+            return mse(y, out)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="second step"):
+        collect(model, batch, failing_when_run, steps=3, optimizer=opt)
+    assert snapshot(model, opt) == before
     calls = []
 
-    def failing(y, out):
+    def failing(y, out):  # raises in Python: while tracing, then eagerly
         calls.append(1)
-        if len(calls) == 2:  # the second step: after a real optimizer step
-            raise ZeroDivisionError("user loss failed")
-        return mse(y, out)
+        raise ZeroDivisionError("user loss failed")
 
     with pytest.raises(ZeroDivisionError, match="user loss failed"):
         collect(model, batch, failing, steps=3, optimizer=opt)
-    assert snapshot(model, opt) == before
+    assert snapshot(model, opt) == before and len(calls) == 2
 
 
 def test_an_optimizer_not_yet_built_is_left_built_in_its_initial_state():
@@ -306,18 +365,28 @@ def batch_of(n=16, seed=4):
         rng.standard_normal((n, 4)).astype(np.float32))  # fmt: skip
 
 
-def test_observations_equal_the_numpy_core_on_the_same_tensors_in_model_order():
+@pytest.mark.parametrize("eagerly", [False, True])
+def test_observations_equal_the_numpy_core_on_the_same_tensors_in_model_order(eagerly):
+    """Traced, the step is a graph (grappler may fuse and reorder float ops, as in a tf.function training
+    step), so the reference is the same step by hand in a tf.function; eagerly, by hand eagerly."""
     model = tiny()
     x, y = batch_of()
-    obs = collect(model, (x, y), keras.losses.MeanSquaredError())
+    tf.config.run_functions_eagerly(eagerly)
+    try:
+        obs = collect(model, (x, y), keras.losses.MeanSquaredError())
+    finally:
+        tf.config.run_functions_eagerly(False)
+    fc1, act, fc2 = model.layers
 
-    fc1, act, fc2 = model.layers  # the same step by hand
-    with tf.GradientTape() as tape:
-        h0 = fc1(x)
-        h1 = act(h0)
-        h2 = fc2(h1)
-        loss = keras.losses.MeanSquaredError()(y, h2)
-    g = tape.gradient(loss, [h0, h1, h2, *fc1.trainable_weights, *fc2.trainable_weights])
+    def by_hand():
+        with tf.GradientTape() as tape:
+            h0 = fc1(x, training=True)
+            h1 = act(h0, training=True)
+            h2 = fc2(h1, training=True)
+            loss = keras.losses.MeanSquaredError()(y, h2)
+        return h0, h1, h2, tape.gradient(loss, [h0, h1, h2, *fc1.trainable_weights, *fc2.trainable_weights])
+
+    h0, h1, h2, g = by_hand() if eagerly else tf.function(by_hand)()
 
     def merged(*ts):
         hs = [reference(t) for t in ts]
@@ -472,7 +541,7 @@ def test_the_compiled_loss_trackers_are_left_as_they_were():
     assert [(v.path, bits(v)) for v in fitted.metrics_variables] == before
 
 
-def test_a_layer_called_inside_a_tf_function_is_tapped_eagerly():
+def test_a_layer_called_inside_a_tf_function_is_tapped():
     class Traced(keras.Model):
         def __init__(self):
             super().__init__()
@@ -487,6 +556,162 @@ def test_a_layer_called_inside_a_tf_function_is_tapped_eagerly():
     traced(x)
     obs = collect(traced, (x, y), mse)
     assert [(o.layer, o.kind) for o in obs][:2] == [("fc", "output"), ("fc", "grad_output")]
+
+
+# -- the traced step: kept, traced again when what it was traced for changes, or run eagerly ------------
+@pytest.fixture
+def traces(monkeypatch):
+    """Every tracing of the step: (model, why it runs eagerly, "" when traced)."""
+    from polyamp.tensorflow import doctor
+
+    made = []
+    trace = doctor._Job.trace
+
+    def counted(job):
+        result = trace(job)
+        made.append((job.model, result.why))
+        return result
+
+    monkeypatch.setattr(doctor._Job, "trace", counted)
+    return made
+
+
+def table_of(obs):
+    return {(o.layer, o.kind): o.hist for o in obs}
+
+
+def test_the_traced_step_is_kept_and_traced_again_when_what_it_was_traced_for_changes(traces):
+    model, (x, y) = tiny(), batch_of()
+    sgd = keras.optimizers.SGD(0.1)
+
+    def mse(y, out, sample_weight=None):
+        weight = 1.0 if sample_weight is None else sample_weight[:, None]
+        return tf.reduce_mean(weight * tf.square(out - y))
+
+    first = collect(model, (x, y), mse, optimizer=sgd)
+    again = collect(model, (x, y), mse, optimizer=sgd, steps=2)
+    assert len(traces) == 1 and traces[0][1] == ""  # kept, and several steps reuse it
+    assert table_of(again)["fc1", "weight"].total == 2 * table_of(first)["fc1", "weight"].total
+    model.layers[0].kernel.assign(model.layers[0].kernel * 2)  # values are read when run: same trace
+    doubled = table_of(collect(model, (x, y), mse, optimizer=sgd))
+    assert len(traces) == 1 and doubled["fc1", "weight"].amax == 2 * table_of(first)["fc1", "weight"].amax
+    changes = [
+        lambda: collect(model, (x, y), mse),  # no optimizer
+        lambda: collect(model, (x, y), mse, optimizer=keras.optimizers.SGD(0.1)),  # another optimizer
+        lambda: collect(model, (x[:8], y[:8]), mse, optimizer=sgd),  # another batch shape
+        lambda: collect(model, (x, y, tf.ones(16)), mse, optimizer=sgd),  # sample weights
+        lambda: collect(model, (x, y), lambda y, out: mse(y, out), optimizer=sgd),  # another loss_fn
+    ]
+    for i, change in enumerate(changes):
+        change()
+        assert len(traces) == 2 + i, i
+        if i == 0:
+            collect(model, (x, y), mse, optimizer=sgd)  # kept beside it
+            assert len(traces) == 2
+    collect(model, (x, y), mse, optimizer=sgd)  # the latest 4 are kept: traced again
+    assert len(traces) == 2 + len(changes)
+    model.layers[2].trainable = False  # the variables it steps change
+    frozen = table_of(collect(model, (x, y), mse, optimizer=sgd))
+    assert ("fc2", "grad_weight") not in frozen and ("fc1", "grad_weight") in frozen
+    assert len(traces) == 3 + len(changes)
+    model.layers[2].trainable = True
+    model.add(keras.layers.Dense(2, name="extra"))  # a layer more
+    grown = collect(model, (x, y[:, :2]), mse, optimizer=keras.optimizers.SGD(0.1))
+    assert [o.layer for o in grown][-1] == "extra" and traces[-1][1] == ""
+    assert len(traces) == 4 + len(changes)
+
+
+def test_a_compiled_loss_changed_by_compile_is_traced_again(traces):
+    model, (x, y) = tiny(), batch_of()
+    model.compile(loss="mse")
+    mse_grads = table_of(collect(model, (x, y)))
+    model.compile(loss="mae")
+    mae_grads = table_of(collect(model, (x, y)))
+    assert len(traces) == 2
+    assert mae_grads["fc2", "grad_output"] != mse_grads["fc2", "grad_output"]
+    sign = mae_grads["fc2", "grad_output"]  # d mae / d out = sign(out - y) / n: one magnitude
+    assert np.count_nonzero(sign.counts) == 1
+
+
+def test_kept_traces_hold_no_reference_to_the_model():
+    import gc
+    import weakref
+
+    from polyamp.tensorflow import doctor
+
+    model, batch = tiny(), batch_of()
+    collect(model, batch, mse, optimizer=keras.optimizers.Adam())
+    model_id, ref = id(model), weakref.ref(model)
+    assert model_id in doctor._TRACES._by_model
+    del model
+    gc.collect()
+    assert ref() is None and model_id not in doctor._TRACES._by_model
+
+
+def test_the_traced_step_equals_the_eager_one():
+    """Same observations traced and eagerly (``run_functions_eagerly``): a model with a root variable,
+    BatchNormalization, Dropout and keras.random, and Adam, two steps; the float ops of a graph may
+    differ in the last bit from eager ones, so what depends on them is compared in totals and ranges."""
+    runs = []
+    for eagerly in (False, True):
+        model, opt, batch = trained_net()
+        tf.config.run_functions_eagerly(eagerly)
+        try:
+            runs.append(table_of(collect(model, batch, mse, optimizer=opt, steps=2)))
+        finally:
+            tf.config.run_functions_eagerly(False)
+    traced, eager = runs
+    assert list(traced) == list(eager)
+    for key in traced:  # fc1's bias (before BatchNormalization) has a gradient 0 in exact arithmetic:
+        a, b = traced[key], eager[key]  # its rounding noise, and Adam's update of that, differ
+        assert (a.total, a.nonfinite, a.apart) == (b.total, b.nonfinite, b.apart), key
+        assert abs(a.zeros - b.zeros) <= 0.02 * a.total, key
+        assert np.abs(np.cumsum(a.counts) - np.cumsum(b.counts)).max() <= 0.03 * a.total, key
+        if key[1] in ("output", "grad_output", "weight"):
+            assert math.isclose(a.amax, b.amax, rel_tol=1e-3), key
+    assert traced["fc1", "weight"].total == 2 * 112
+
+
+class Branchy(keras.Model):
+    """Python control flow on a tensor's value (no autograph in the traced step: fails in a graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = keras.layers.Dense(4, name="fc")
+
+    def call(self, x):
+        out = self.fc(x)
+        return out * 2 if float(tf.reduce_sum(out)) > 0 else out
+
+
+class Looped(keras.Model):
+    """A tapped layer called inside a tf.while_loop: its outputs live in the loop's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = keras.layers.Dense(8, activation="tanh", name="cell")
+
+    def call(self, x):
+        return tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, self.cell(h)), (0, x))[1]
+
+
+@pytest.mark.parametrize("network, why", [(Branchy, "Error"), (Looped, "graph of its own")])
+def test_a_step_that_cannot_be_traced_runs_eagerly(traces, network, why):
+    x, y = batch_of()
+    model = network()
+    model(x)
+    opt = keras.optimizers.Adam()
+    obs = collect(model, (x, y if network is Branchy else x), mse, optimizer=opt)
+    tf.config.run_functions_eagerly(True)
+    try:
+        want = collect(model, (x, y if network is Branchy else x), mse, optimizer=opt)
+    finally:
+        tf.config.run_functions_eagerly(False)
+    assert [(o.layer, o.kind, o.hist) for o in obs] == [(o.layer, o.kind, o.hist) for o in want]
+    name = "fc" if network is Branchy else "cell"
+    assert table_of(obs)[name, "output"].total == 16 * (4 if network is Branchy else 3 * 8)
+    collect(model, (x, y if network is Branchy else x), mse, optimizer=opt)
+    assert len(traces) == 1 and why in traces[0][1]  # the verdict is kept too
 
 
 # -- bad input: one clear PolyampError each ---------------------------------------------------------

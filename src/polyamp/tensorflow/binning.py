@@ -1,233 +1,368 @@
-"""The doctor's TensorFlow binning: ``histogram(t)``, ``ratio_histogram(update, weight)`` -> LogHistogram.
+"""The doctor's TensorFlow binning: the statistics of ``LogHistogram.of`` / ``update_ratio_histogram``,
+computed on the tensors' device, exactly.
 
-Binning (``histogram``, ``ratio_histogram``) is one ``tf.function`` per dtype on the tensor's device; only
-counts (at most ``N_BINS + 3``) and three scalars reach the host. TensorFlow has no frexp, and its CPU
-kernels flush subnormal float inputs to zero, so everything is integer arithmetic on the bits. A float32
-(fp16, bf16 widened exactly) is read as uint32 bits ``u``: ``u >> 19`` is ``4096 * sign + SUB * biased
-exponent + k``, the spec's index less a constant for a normal float, and one ``bincount`` over it counts
-all but zeros and subnormals (exponent 0: re-binned from ``float(|bits|)``, an exact integer conversion,
-which also counts the zeros) and inf/NaN (the top keys). The extremes are ``max(max x, -min x)`` and ``min
-|x|`` when every element is normal, else masked integer reductions of the magnitudes' bits. float64 takes
-the same steps on int64 bits (its subnormals all fall below bin 1). An update ratio ``|u| / 2^b(w)`` of
-normal float32 ``u``, ``w`` is ``d = a(u) - (a(w) & 0x7f800000) = (b(u) - b(w)) * 2^23 + mantissa(u)``:
-``d >> 19`` is its index less a constant, and ``min d``, ``max d`` give the extremes exactly. Elements
-with a zero, subnormal, inf or NaN ``u`` or ``w`` (and float64 tensors) take the same arithmetic on
-float64 bits (int64; a subnormal normalised through ``float(mantissa)``), on those elements only; its
-extremes come back as ``clip(E) * 2^52 + mantissa`` and ``np.ldexp`` rounds them as the core does. The
+``histogram(t)`` and ``ratio_histogram(update, weight)`` bin one tensor; ``records(items)`` bins many in
+the graph being traced (the doctor's traced step) and returns one int64 vector of their statistics and
+where each lies in it; ``Tally`` sums records on the host into a ``LogHistogram`` (``decode`` one). Only
+these counts and a few scalars per histogram reach the host.
+
+TensorFlow has no frexp, and its CPU kernels (and XLA's) treat subnormal floats as zero, so everything is
+integer arithmetic on the bits ``a = bits & 0x7fffffff`` of the magnitudes. Two kernels per statistic:
+- float32 (fp16, bf16 widened exactly), for tensors of more than ``_SMALL`` elements: one XLA program
+  per shape that walks the tensor in chunks of ``_CHUNK`` elements (the last one shifted back to end at
+  the tensor's end, its repeated elements masked) and, per chunk, gives each element its slot: the spec's
+  index ``(a >> 19) + 353`` for a normal float, that of ``float(a)`` (an exact integer conversion, ``a <
+  2^23``) less 149 binades for a subnormal, or a slot of its own for zeros, inf/NaN (and, for ratios,
+  zero weights); one scatter-add counts the slots and one variadic reduction (XLA on CPU vectorises it,
+  unlike lone integer reductions) takes the extremes: the largest finite and smallest non-zero ``a``,
+  for an update ratio ``|u| / 2^b(w)`` its key ``(b(u) - b(w)) * 2^52 + mantissa(u) * 2^29`` (a float64
+  mantissa: ordered as the ratios). The chunk stays in the cache and each element is read once;
+  ``u = after - before`` is computed in the same pass.
+- general, on float64 bits (int64; float32 widened exactly, a subnormal normalised through
+  ``float(mantissa)``), in TensorFlow ops, for float64 tensors and small ones. Many tensors are binned at
+  once, each a segment of one concatenation: one bincount of ``code + segment * width``, segment minima
+  and maxima (a small tensor costs more in per-op time than in passes, and a graph of many ops takes
+  long to build). An update ratio's extremes come back as keys ``clip(E) * 2^52 + mantissa(u)``.
+The host turns a key into ``(1 + m / 2^52) * 2^E`` with ``np.ldexp``, rounding as the core does. The
 results equal ``LogHistogram.of(t.numpy())`` and ``update_ratio_histogram(u.numpy(), w.numpy())``
 exactly.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.compiler.tf2xla.python import xla as tf_xla
 
 from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram
 from ..errors import PolyampError
 
-_MASK, _INF, _NORMAL = 0x7FFFFFFF, 0x7F800000, 0x00800000
+_MASK, _INF, _NORMAL, _MANT = 0x7FFFFFFF, 0x7F800000, 0x00800000, 0x007FFFFF
 _SHIFT = 23 - (SUB.bit_length() - 1)  # a >> _SHIFT = SUB * biased exponent + k (SUB a power of two)
-_OFFSET = SUB * (-127 - B_MIN) + 1  # spec index - key, for a normal float32
-_KEYS, _KEY_NORMAL, _KEY_INF = (_MASK >> _SHIFT) + 1, _NORMAL >> _SHIFT, _INF >> _SHIFT
-_SUB_KEY = SUB * -B_MIN - _OFFSET  # spec index of a subnormal a: key(float(a)) - _SUB_KEY
-_SUB_BINS = SUB * 23 + 1  # a subnormal's index is 1..SUB*23; bin 0 counts the zeros
-# ratios: d >> _SHIFT lies in [-SUB * 253, SUB * 254) for normal u, w; its spec index is that + SUB * -B_MIN
-# + 1. Shifted as uint32, a negative one comes out _RKEYS higher.
-_RKEYS = 1 << (32 - _SHIFT)
-_RATIO_INDEX = np.clip((np.arange(_RKEYS) + _RKEYS // 2) % _RKEYS - _RKEYS // 2 + SUB * -B_MIN + 1, 0,
-                       N_BINS - 1).astype(np.int32)  # fmt: skip
+_OFFSET = SUB * (-127 - B_MIN) + 1  # spec index - (a >> _SHIFT), for a normal float32
+_ZERO, _NONFINITE, _APART, _IGNORE = N_BINS, N_BINS + 1, N_BINS + 2, N_BINS + 3  # slots past the bins
+_CHUNK = 1 << 18  # elements of a chunk of the float32 kernel: its slots stay in the cache
+_SMALL = 1 << 14  # elements: up to this, a tensor takes the general kernel, batched with the others
 # float64: exponent field 11 bits, mantissa 52
 _MASK64, _INF64, _NORMAL64, _MANT64 = 2**63 - 1, 0x7FF << 52, 1 << 52, (1 << 52) - 1
 _KEY64_OFFSET = SUB * (1023 + B_MIN) - 1  # spec index = (a >> 48) - this, for a normal float64
 _E_CLIP = 1100  # |b(u) - b(w)| beyond this: 2^that over- or underflows float64 either way
 _F64 = np.finfo(np.float64)
+_LENGTH = {"hist": N_BINS + 4, "ratio": N_BINS + 5}  # a record's, by layout
 
 
 def histogram(t) -> LogHistogram:
     """The ``LogHistogram`` of a floating TensorFlow tensor (or variable), binned on its device."""
-    x = tf.reshape(tf.convert_to_tensor(t), [-1])
-    if not x.dtype.is_floating or x.dtype.is_complex:
-        raise PolyampError(f"cannot bin a {x.dtype.name} tensor; accepted: floating-point dtypes (real)")
-    if x.shape[0] == 0:
-        return _empty()
-    if x.dtype == tf.float64:
-        return _decode64(*_HIST64(x))
-    keys, sub, lo, hi = (r.numpy() for r in _HIST32(tf.cast(x, tf.float32)))
-    counts = np.zeros(N_BINS, np.int64)
-    counts[_KEY_NORMAL + _OFFSET : _KEY_INF + _OFFSET] = keys[_KEY_NORMAL:_KEY_INF]
-    counts[1:_SUB_BINS] += sub[1:]
-    lo, hi = int(lo), int(hi)
-    return LogHistogram.from_counts(
-        counts,
-        zeros=int(sub[0]),
-        nonfinite=int(keys[_KEY_INF:].sum()),
-        amax=_float32(hi) if hi > 0 else 0.0,
-        amin_nonzero=_float32(lo) if 0 < lo < _INF else None,
-    )
+    x = _flat(t)
+    if x.dtype == tf.float64 or _small(x):
+        return decode("hist", _HIST64(_bits64(x))[0].numpy())
+    return decode("hist", _compiled("hist", x.shape[0])(tf.cast(x, tf.float32)).numpy())
 
 
 def ratio_histogram(update, weight) -> LogHistogram:
     """``update_ratio_histogram(update, weight)`` of the core, binned on the tensors' device."""
-    u = tf.reshape(tf.convert_to_tensor(update), [-1])
-    w = tf.reshape(tf.convert_to_tensor(weight), [-1])
+    u, w = _pair(update, weight)
+    if tf.float64 in (u.dtype, w.dtype) or _small(u):
+        return decode("ratio", _RATIO64(_bits64(u), _bits64(w))[0].numpy())
+    record = _compiled("ratio", u.shape[0])(tf.cast(u, tf.float32), tf.cast(w, tf.float32))
+    return decode("ratio", record.numpy())
+
+
+def records(items: list) -> tuple[tf.Tensor, list[tuple[str, int, int]]]:
+    """The statistics of many histograms as one int64 vector, for the graph being traced: ``items`` are
+    floating tensors (histograms) and ``(after, before)`` pairs (the update ratio of ``after - before``
+    relative to ``before``); returns the vector and, for each item, ``(layout, start, stop)`` of its
+    record in it (``decode(layout, vector[start:stop])``)."""
+    rows, small_h, small_r = [], [], []  # (item, layout, row); (item, tensor(s)) for the general kernel
+    for i, item in enumerate(items):
+        if isinstance(item, tuple):
+            after, before = _pair(*item)
+            if after.dtype == before.dtype == tf.float32 and not _small(after):
+                rows.append((i, "ratio", _compiled("step", after.shape[0])(after, before)))
+            else:  # the update in the variable's own dtype
+                small_r.append((i, (after - before, before)))
+            continue
+        x = _flat(item)
+        if x.dtype == tf.float64 or _small(x):
+            small_h.append((i, x))
+        else:
+            rows.append((i, "hist", _compiled("hist", x.shape[0])(tf.cast(x, tf.float32))))
+    if small_h:
+        (a,), seg, n = _segments([[x for _, x in small_h]])
+        rows += [(i, "hist", row) for (i, _), row in zip(small_h, tf.unstack(_hist64(a, seg, n)))]
+    if small_r:
+        (au, aw), seg, n = _segments([[u for _, (u, _) in small_r], [w for _, (_, w) in small_r]])
+        rows += [(i, "ratio", row) for (i, _), row in zip(small_r, tf.unstack(_ratio64(au, aw, seg, n)))]
+    spans: list = [None] * len(items)
+    start = 0
+    for i, layout, _ in rows:
+        spans[i] = (layout, start, start + _LENGTH[layout])
+        start += _LENGTH[layout]
+    return tf.concat([row for _, _, row in rows], 0), spans
+
+
+def decode(layout: str, record) -> LogHistogram:
+    """The ``LogHistogram`` of one record (read to the host) of the given layout."""
+    return Tally().add(layout, record).histogram()
+
+
+class Tally:
+    """A histogram summed from records on the host (``LogHistogram.merge``'s rule, one validation at the
+    end): ``add(layout, record)``, then ``histogram()``."""
+
+    def __init__(self):
+        self.counts = np.zeros(N_BINS, np.int64)
+        self.zeros = self.nonfinite = self.apart = 0
+        self.amax, self.amin = 0.0, math.inf
+
+    def add(self, layout: str, record) -> Tally:
+        rec = np.asarray(record).astype(np.int64)
+        if layout == "hist":  # bins, zeros, nonfinite, the extremes' float64 bits
+            self.zeros += int(rec[N_BINS])
+            self.nonfinite += int(rec[N_BINS + 1])
+            lo, hi = int(rec[N_BINS + 2]), int(rec[N_BINS + 3])
+            self._bins(rec[:N_BINS], float(np.array(hi, np.int64).view(np.float64)) if hi > 0 else 0.0,
+                       float(np.array(lo, np.int64).view(np.float64)) if 0 < lo < _INF64 else math.inf)
+        elif layout == "ratio":  # bins, nonfinite, apart, zeros, the extremes' keys
+            self.nonfinite += int(rec[N_BINS])
+            self.apart += int(rec[N_BINS + 1])
+            self.zeros += int(rec[N_BINS + 2])
+            if rec[:N_BINS].any():
+                with np.errstate(over="ignore", under="ignore"):
+                    high, low = (np.ldexp((1.0 + (k & _MANT64) * 2.0**-52) / 2, (k >> 52) + 1)
+                                 for k in (int(rec[N_BINS + 4]), int(rec[N_BINS + 3])))  # fmt: skip
+                self._bins(rec[:N_BINS], float(min(high, _F64.max)), float(low) if low > 0 else math.inf)
+        else:
+            raise PolyampError(f"unknown record layout {layout!r}; expected one of {sorted(_LENGTH)}")
+        return self
+
+    def _bins(self, counts, amax: float, amin: float) -> None:
+        self.counts += counts
+        self.amax, self.amin = max(self.amax, amax), min(self.amin, amin)
+
+    def histogram(self) -> LogHistogram:
+        amin = None if self.amin == math.inf else self.amin
+        return LogHistogram.from_counts(self.counts, zeros=self.zeros, nonfinite=self.nonfinite,
+                                        amax=self.amax, amin_nonzero=amin, apart=self.apart)  # fmt: skip
+
+
+def _flat(t):
+    x = tf.reshape(tf.convert_to_tensor(t), [-1])
+    if not x.dtype.is_floating or x.dtype.is_complex:
+        raise PolyampError(f"cannot bin a {x.dtype.name} tensor; accepted: floating-point dtypes (real)")
+    return x
+
+
+def _pair(update, weight):
+    u, w = _flat(update), _flat(weight)
     if u.shape != w.shape:
         raise PolyampError(f"update shape {tuple(update.shape)} differs from weight's {tuple(weight.shape)}")
-    for t in (u, w):
-        if not t.dtype.is_floating or t.dtype.is_complex:
-            raise PolyampError(f"cannot bin a {t.dtype.name} tensor; accepted: floating-point dtypes (real)")
-    if u.shape[0] == 0:
-        return _empty()
-    if tf.float64 in (u.dtype, w.dtype):
-        return _decode_general(*(r.numpy() for r in _RATIO64(_bits64(u), _bits64(w))))
-    counts, dlo, dhi, general, glo, ghi = (r.numpy() for r in _RATIO32(tf.cast(u, tf.float32),
-                                                                      tf.cast(w, tf.float32)))  # fmt: skip
-    counts = counts.astype(np.int64)
-    if counts.any():
-        regular = LogHistogram.from_counts(counts, 0, 0, _ratio_value(int(dhi)), _ratio_value(int(dlo)))
-    else:
-        regular = _empty()
-    if not general.any():
-        return regular
-    return regular.merge(_decode_general(general, glo, ghi))
+    return u, w
 
 
-def _empty() -> LogHistogram:
-    return LogHistogram.from_counts(np.zeros(N_BINS, np.int64), 0, 0, 0.0)
+def _small(x) -> bool:
+    return x.shape[0] is None or x.shape[0] <= _SMALL
 
 
-def _float32(bits: int) -> float:
-    return float(np.array(bits, np.int32).view(np.float32))
+# -- the float32 kernel (XLA) -----------------------------------------------------------------------------
+def _chunked(elements, arrays: list, width: int, extremes: tf.DType):
+    """Slot counts (``width``) and extremes (max, min) of ``elements(*chunk)`` -> (slots, maxima keys,
+    minima keys) over equal flat ``arrays``, a chunk at a time (module docstring)."""
+    n = arrays[0].shape[0]
+    info = extremes.as_numpy_dtype
+    low, high = tf.constant(np.iinfo(info).min, extremes), tf.constant(np.iinfo(info).max, extremes)
+
+    def step(chunk, valid=None):
+        slots, top, bottom = elements(*chunk)
+        if valid is not None:  # elements the chunk before counted
+            slots = tf.where(valid, slots, _IGNORE)
+            top, bottom = tf.where(valid, top, low), tf.where(valid, bottom, high)
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(slots), slots, width + 1)[:width]
+        return (counts, *tf_xla.variadic_reduce([top, bottom], [low, high], [0], _max_min(extremes)))
+
+    if n <= _CHUNK:
+        return step(arrays)
+    chunks = -(-n // _CHUNK)
+
+    def body(i, counts, top, bottom):
+        start = tf.minimum(i * _CHUNK, n - _CHUNK)
+        more, hi, lo = step([tf.slice(a, [start], [_CHUNK]) for a in arrays],
+                            start + tf.range(_CHUNK) >= i * _CHUNK if n % _CHUNK else None)  # fmt: skip
+        return i + 1, counts + more, tf.maximum(top, hi), tf.minimum(bottom, lo)
+
+    start = [tf.constant(0), tf.zeros([width], tf.int32), low, high]
+    _, counts, top, bottom = tf.while_loop(lambda i, *_: i < chunks, body, start)
+    return counts, top, bottom
 
 
-def _ratio_value(d: int) -> float:
-    """|u| / 2^b(w) from d = (b(u) - b(w)) * 2^23 + mantissa(u): exact in float64."""
-    return math.ldexp(1.0 + (d & 0x7FFFFF) / 2.0**23, d >> 23)
+@functools.cache
+def _max_min(dtype: tf.DType):
+    """The reducer of ``_chunked``'s variadic reduction: (max, min) of pairs."""
+    spec = tf.TensorSpec([], dtype)
+    return tf.function(lambda a, b, c, d: (tf.maximum(a, c), tf.minimum(b, d))).get_concrete_function(
+        spec, spec, spec, spec)
 
 
-def _decode64(counts, lo, hi) -> LogHistogram:
-    counts, lo, hi = counts.numpy().astype(np.int64), int(lo), int(hi)
-    return LogHistogram.from_counts(
-        counts[:N_BINS],
-        zeros=int(counts[N_BINS]),
-        nonfinite=int(counts[N_BINS + 1]),
-        amax=float(np.array(hi, np.int64).view(np.float64)) if hi > 0 else 0.0,
-        amin_nonzero=float(np.array(lo, np.int64).view(np.float64)) if 0 < lo < _INF64 else None,
-    )
+def _normalised(a):
+    """float32 magnitude bits, a subnormal ``a * 2^-149`` as ``float(a)``'s bits with the exponent lowered
+    by 149 (may go negative; exact): ``n >> 23`` is the biased binade, ``n & 0x7fffff`` the mantissa."""
+    return tf.where(a < _NORMAL, tf.bitcast(tf.cast(a, tf.float32), tf.int32) - (149 << 23), a)
 
 
-def _decode_general(counts, lo, hi) -> LogHistogram:
-    """The float64 ratio path's counts (bins, nonfinite, apart, zeros) and the extremes' keys
-    ``E * 2^52 + mantissa(u)`` (E = b(u) - b(w), clipped): ``np.ldexp`` rounds as the core does."""
-    counts = np.asarray(counts).astype(np.int64)
-    amax, amin = 0.0, None
-    if counts[:N_BINS].any():
-        with np.errstate(over="ignore", under="ignore"):
-            rmax, rmin = (np.ldexp((1.0 + (int(k) & _MANT64) * 2.0**-52) / 2, (int(k) >> 52) + 1)
-                          for k in (hi, lo))  # fmt: skip
-        amax = float(min(rmax, _F64.max))
-        amin = float(rmin) if rmin > 0 else None
-    return LogHistogram.from_counts(counts[:N_BINS], zeros=int(counts[N_BINS + 2]),
-                                    nonfinite=int(counts[N_BINS]), amax=amax, amin_nonzero=amin,
-                                    apart=int(counts[N_BINS + 1]))  # fmt: skip
+def _hist_elements(x):
+    """Slots, and the keys of the extremes (the bits of the largest finite and the smallest non-zero)."""
+    a = tf.bitwise.bitwise_and(tf.bitcast(x, tf.int32), _MASK)
+    finite = a < _INF
+    index = tf.bitwise.right_shift(_normalised(a), _SHIFT) + _OFFSET
+    slots = tf.where(a == 0, _ZERO, tf.where(finite, index, _NONFINITE))
+    return slots, tf.where(finite, a, 0), tf.where(finite & (a > 0), a, _MASK)
 
 
-def _i64(v: int):
-    return tf.constant(v, tf.int64)
-
-
-def _shr(x, n: int):
-    return tf.bitwise.right_shift(x, tf.constant(n, x.dtype))
-
-
-def _and(x, mask: int):
-    return tf.bitwise.bitwise_and(x, tf.constant(mask, x.dtype))
-
-
-def _bits32(x):
-    return _and(tf.bitcast(x, tf.int32), _MASK)
+def _ratio_elements(u, w):
+    """Slots of ``|u| / 2^b(w)``, and the ratios' keys for the extremes (module docstring)."""
+    au = tf.bitwise.bitwise_and(tf.bitcast(u, tf.int32), _MASK)
+    aw = tf.bitwise.bitwise_and(tf.bitcast(w, tf.int32), _MASK)
+    bad = (au >= _INF) | (aw >= _INF)
+    apart = ~bad & (aw == 0)
+    zero = ~bad & ~apart & (au == 0)
+    nu = _normalised(au)
+    e = tf.bitwise.right_shift(nu, 23) - tf.bitwise.right_shift(_normalised(aw), 23)  # b(u) - b(w)
+    k = tf.bitwise.bitwise_and(tf.bitwise.right_shift(nu, _SHIFT), SUB - 1)
+    index = tf.clip_by_value(SUB * (e - B_MIN) + k + 1, 0, N_BINS - 1)
+    slots = tf.where(bad, _NONFINITE, tf.where(apart, _APART, tf.where(zero, _ZERO, index)))
+    key = tf.cast(e, tf.int64) * (1 << 52) + tf.cast(tf.bitwise.bitwise_and(nu, _MANT), tf.int64) * (1 << 29)
+    counted = ~(bad | apart | zero)
+    return slots, tf.where(counted, key, tf.int64.min), tf.where(counted, key, tf.int64.max)
 
 
 def _hist32(x):
-    """Keys' counts (4096), subnormal and zero counts (``_SUB_BINS``), smallest non-zero and largest
-    finite magnitude's bits (module docstring)."""
-    both = tf.math.bincount(tf.bitcast(_shr(tf.bitcast(x, tf.uint32), _SHIFT), tf.int32),
-                            minlength=2 * _KEYS, maxlength=2 * _KEYS)  # fmt: skip
-    counts = both[:_KEYS] + both[_KEYS:]
-    special = tf.reduce_sum(counts[:_KEY_NORMAL]) + tf.reduce_sum(counts[_KEY_INF:]) > 0
-
-    def normal():  # every element normal and finite
-        hi = tf.maximum(tf.reduce_max(x), -tf.reduce_min(x))
-        lo = tf.reduce_min(tf.abs(x))
-        return tf.zeros([_SUB_BINS], tf.int32), tf.bitcast(lo, tf.int32), tf.bitcast(hi, tf.int32)
-
-    def other():
-        a = _bits32(x)
-        lo = tf.reduce_min(tf.where(a > 0, a, _MASK))
-        hi = tf.reduce_max(tf.where(a < _INF, a, -1))
-        tiny = tf.boolean_mask(a, a < _NORMAL)  # zeros and subnormals: a * 2^-149, a < 2^23 exact in float32
-        key = _shr(tf.bitcast(tf.cast(tiny, tf.float32), tf.int32), _SHIFT) - _SUB_KEY
-        sub = tf.math.bincount(tf.where(tiny > 0, key, 0), minlength=_SUB_BINS, maxlength=_SUB_BINS)
-        return sub, lo, hi
-
-    sub, lo, hi = tf.cond(special, other, normal)
-    return counts, sub, lo, hi
+    """The record of a flat float32 tensor: bins, zeros, nonfinite, the extremes as float64 bits."""
+    counts, top, bottom = _chunked(_hist_elements, [x], N_BINS + 3, tf.int32)
+    return tf.concat([tf.cast(counts[: N_BINS + 2], tf.int64), _widen(tf.stack([bottom, top]))], 0)
 
 
-def _hist64(x):
-    """Bin counts, zeros and nonfinite (``N_BINS + 2``), smallest non-zero and largest finite bits."""
-    a = _and(tf.bitcast(x, tf.int64), _MASK64)
-    finite = a < _INF64
-    idx = tf.clip_by_value(_shr(a, 48) - _KEY64_OFFSET, 0, N_BINS - 1)
-    code = tf.where(a == 0, _i64(N_BINS), tf.where(finite, idx, _i64(N_BINS + 1)))
-    counts = tf.math.bincount(code, minlength=N_BINS + 2, maxlength=N_BINS + 2)
-    lo = tf.reduce_min(tf.where(a > 0, a, _i64(_MASK64)))
-    hi = tf.reduce_max(tf.where(finite, a, _i64(-1)))
-    return counts, lo, hi
+def _ratio32(u, w, after: bool = False):
+    """The record of flat float32 ``u`` (or ``u - w`` when ``after``) relative to ``w``: bins, nonfinite,
+    apart, zeros, the extremes' keys."""
+
+    def elements(a, w):
+        return _ratio_elements(a - w if after else a, w)
+
+    counts, top, bottom = _chunked(elements, [u, w], N_BINS + 3, tf.int64)
+    slots = tf.gather(counts, [*range(N_BINS), _NONFINITE, _APART, _ZERO])
+    return tf.concat([tf.cast(slots, tf.int64), tf.stack([bottom, top])], 0)
 
 
-def _ratio32(u, w):
-    """Regular elements (normal u, w): bin counts (by ``d >> 19``), min and max d; the others:
-    ``_ratio64``'s outputs for them (empty when none)."""
-    au, ew = _bits32(u), _and(tf.bitcast(w, tf.int32), _INF)  # |u|'s bits, 2^b(w)'s bits
-    d = au - ew
-    keys = tf.bitcast(_shr(tf.bitcast(d, tf.uint32), _SHIFT), tf.int32)  # d >> 19 modulo 2^13
-    regular = ((tf.reduce_min(au) >= _NORMAL) & (tf.reduce_max(au) < _INF)
-               & (tf.reduce_min(ew) > 0) & (tf.reduce_max(ew) < _INF))  # fmt: skip
+@functools.cache
+def _compiled(kernel: str, n: int):
+    """The float32 kernel ``kernel`` ("hist", "ratio", or "step": the ratio of ``after - before``) for
+    ``n`` elements, compiled by XLA for that size (once per process, on its first call)."""
+    fn = {"hist": _hist32, "ratio": _ratio32, "step": functools.partial(_ratio32, after=True)}[kernel]
+    specs = [tf.TensorSpec([n], tf.float32)] * (1 if kernel == "hist" else 2)
+    return tf.function(fn, jit_compile=True, autograph=False).get_concrete_function(*specs)
 
-    def all_regular():
-        counts = tf.math.bincount(keys, minlength=_RKEYS, maxlength=_RKEYS)
-        return counts, tf.reduce_min(d), tf.reduce_max(d), tf.zeros([N_BINS + 3], tf.int64), _i64(0), _i64(0)
 
-    def some_special():
-        aw = _bits32(w)
-        odd = (au < _NORMAL) | (au >= _INF) | (aw < _NORMAL) | (aw >= _INF)
-        counts = tf.math.bincount(tf.where(odd, _RKEYS, keys), minlength=_RKEYS + 1, maxlength=_RKEYS + 1)
-        lo = tf.reduce_min(tf.where(odd, tf.int32.max, d))
-        hi = tf.reduce_max(tf.where(odd, tf.int32.min, d))
-        return (counts[:_RKEYS], lo, hi,
-                *_ratio64(_widen(tf.boolean_mask(au, odd)), _widen(tf.boolean_mask(aw, odd))))  # fmt: skip
+# -- the general kernel (int64, many tensors at once) ------------------------------------------------
+_GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    counts, *rest = tf.cond(regular, all_regular, some_special)
-    return (tf.math.unsorted_segment_sum(counts, _RATIO_INDEX, N_BINS), *rest)  # keys to the spec's bins
+
+def _c(value, dtype):
+    """A constant, made once per graph while tracing (a graph of fewer ops builds faster)."""
+    if tf.executing_eagerly():
+        return tf.constant(value, dtype)
+    made = _GRAPH_CONSTANTS.setdefault(tf.compat.v1.get_default_graph(), {})
+    key = (tuple(value) if isinstance(value, list) else value, dtype)
+    if key not in made:
+        made[key] = tf.constant(value, dtype)
+    return made[key]
+
+
+def _i64(v: int):
+    return _c(v, tf.int64)
+
+
+def _shr(x, n: int):
+    return tf.bitwise.right_shift(x, _c(n, x.dtype))
+
+
+def _and(x, mask: int):
+    return tf.bitwise.bitwise_and(x, _c(mask, x.dtype))
+
+
+def _segments(groups: list[list]):
+    """For ``groups`` of flat floating tensors (the updates, the weights), aligned: each group's float64
+    magnitude bits (int64) in one concatenation, each element's segment (its position in the group) and
+    their count. Positions whose tensors are all narrower than float64 are widened together."""
+    n = len(groups[0])
+    narrow = [i for i in range(n) if all(g[i].dtype != tf.float64 for g in groups)]
+    order = narrow + [i for i in range(n) if i not in set(narrow)]
+    bits = []
+    for g in groups:
+        parts = [_bits64(tf.concat([tf.cast(g[i], tf.float32) for i in narrow], 0))] if narrow else []
+        bits.append(tf.concat(parts + [_bits64(g[i]) for i in order[len(narrow) :]], 0))
+    seg = tf.repeat(tf.constant(order, tf.int32), tf.stack([tf.size(groups[0][i]) for i in order]))
+    return bits, seg, n
 
 
 def _widen(a):
     """float32 magnitude bits (int32) -> the same values' float64 bits (int64), exactly; subnormals
-    through an integer-to-float conversion (TensorFlow's CPU kernels flush subnormal float inputs)."""
+    through an integer-to-float conversion (exact: ``a < 2^23``)."""
     a = tf.cast(a, tf.int64)
     e = _shr(a, 23)
     e = tf.where(e == 255, _i64(2047), e + (1023 - 127))
-    wide = tf.bitwise.bitwise_or(e * (1 << 52), _and(a, 0x7FFFFF) * (1 << 29))
+    wide = tf.bitwise.bitwise_or(e * (1 << 52), _and(a, _MANT) * (1 << 29))
     tiny = tf.bitcast(tf.cast(a, tf.float64), tf.int64) - (149 << 52)  # a * 2^-149, a < 2^23
     return tf.where(a >= _NORMAL, wide, tf.where(a == 0, _i64(0), tiny))
 
 
-def _ratio64(au, aw):
-    """The ratio spec in int64 arithmetic on float64 magnitude bits: counts (bins, then nonfinite, apart,
-    zeros) and min and max of ``clip(E) * 2^52 + mantissa(u)`` over the regular elements."""
+def _bits64(t):
+    """A floating tensor's magnitudes as float64 bits (int64)."""
+    if t.dtype == tf.float64:
+        return _and(tf.bitcast(t, tf.int64), _MASK64)
+    a = _and(tf.bitcast(tf.cast(t, tf.float32), tf.int32), _MASK)
+    return _WIDEN(a) if tf.executing_eagerly() else _widen(a)
+
+
+def _bincount(keys, size: int, dtype=tf.int32):
+    """Counts of ``keys`` (in ``[0, size)``): ``DenseBincount`` of a known size, without the pass
+    ``tf.math.bincount`` makes for the largest key."""
+    return tf.raw_ops.DenseBincount(input=keys, size=_c(size, keys.dtype), weights=_c([], dtype))
+
+
+def _by_segment(code, width: int, seg, n: int):
+    """Counts of ``code`` (in ``[0, width)``) per segment: ``[n, width]`` int64."""
+    if seg is None:
+        return tf.reshape(_bincount(code, width, tf.int64), [1, width])
+    return tf.reshape(_bincount(code + tf.cast(seg, code.dtype) * width, n * width, tf.int64), [n, width])
+
+
+def _segment_min(x, seg, n: int):
+    return tf.reshape(tf.reduce_min(x), [1]) if seg is None else tf.math.unsorted_segment_min(x, seg, n)
+
+
+def _segment_max(x, seg, n: int):
+    return tf.reshape(tf.reduce_max(x), [1]) if seg is None else tf.math.unsorted_segment_max(x, seg, n)
+
+
+def _hist64(a, seg=None, n: int = 1):
+    """The general histogram of float64 magnitude bits ``a`` (int64), by segment: ``[n, N_BINS + 4]`` rows
+    of bin counts, zeros, nonfinite, the smallest non-zero and the largest finite bits."""
+    finite = a < _INF64
+    idx = tf.clip_by_value(_shr(a, 48) - _KEY64_OFFSET, 0, N_BINS - 1)
+    code = tf.where(a == 0, _i64(N_BINS), tf.where(finite, idx, _i64(N_BINS + 1)))
+    lo = _segment_min(tf.where(a > 0, a, _i64(_MASK64)), seg, n)
+    hi = _segment_max(tf.where(finite, a, _i64(-1)), seg, n)
+    return tf.concat([_by_segment(code, N_BINS + 2, seg, n), lo[:, None], hi[:, None]], 1)
+
+
+def _ratio64(au, aw, seg=None, n: int = 1):
+    """The ratio spec in int64 arithmetic on float64 magnitude bits, by segment: ``[n, N_BINS + 5]`` rows of
+    counts (bins, then nonfinite, apart, zeros) and min and max of ``clip(E) * 2^52 + mantissa(u)`` over
+    the regular elements."""
     bad = (au >= _INF64) | (aw >= _INF64)
     apart = ~bad & (aw == 0)
     zero = ~bad & ~apart & (au == 0)
@@ -236,12 +371,11 @@ def _ratio64(au, aw):
     e = _shr(nu, 52) - _shr(nw, 52)  # b(u) - b(w)
     idx = tf.clip_by_value(SUB * (e - B_MIN) + _and(_shr(nu, 48), SUB - 1) + 1, 0, N_BINS - 1)
     code = tf.where(apart, _i64(N_BINS + 1), tf.where(zero, _i64(N_BINS + 2), idx))
-    counts = tf.math.bincount(tf.where(bad, _i64(N_BINS), code), minlength=N_BINS + 3, maxlength=N_BINS + 3,
-                              dtype=tf.int64)  # fmt: skip
+    code = tf.where(bad, _i64(N_BINS), code)
     key = tf.clip_by_value(e, -_E_CLIP, _E_CLIP) * (1 << 52) + _and(nu, _MANT64)
-    lo = tf.reduce_min(tf.where(regular, key, _i64(tf.int64.max)))
-    hi = tf.reduce_max(tf.where(regular, key, _i64(tf.int64.min)))
-    return counts, lo, hi
+    lo = _segment_min(tf.where(regular, key, _i64(tf.int64.max)), seg, n)
+    hi = _segment_max(tf.where(regular, key, _i64(tf.int64.min)), seg, n)
+    return tf.concat([_by_segment(code, N_BINS + 3, seg, n), lo[:, None], hi[:, None]], 1)
 
 
 def _normalised64(a):
@@ -250,15 +384,6 @@ def _normalised64(a):
     return tf.where(a < _NORMAL64, tf.bitcast(tf.cast(a, tf.float64), tf.int64) - (1074 << 52), a)
 
 
-def _bits64(t):
-    """A floating tensor's magnitudes as float64 bits (int64)."""
-    if t.dtype == tf.float64:
-        return _and(tf.bitcast(t, tf.int64), _MASK64)
-    return _WIDEN(_bits32(tf.cast(t, tf.float32)))
-
-
-_HIST32 = tf.function(_hist32, input_signature=[tf.TensorSpec([None], tf.float32)])
-_HIST64 = tf.function(_hist64, input_signature=[tf.TensorSpec([None], tf.float64)])
-_RATIO32 = tf.function(_ratio32, input_signature=[tf.TensorSpec([None], tf.float32)] * 2)
+_HIST64 = tf.function(_hist64, input_signature=[tf.TensorSpec([None], tf.int64)])
 _RATIO64 = tf.function(_ratio64, input_signature=[tf.TensorSpec([None], tf.int64)] * 2)
 _WIDEN = tf.function(_widen, input_signature=[tf.TensorSpec([None], tf.int32)])

@@ -9,16 +9,14 @@ model's compiled loss (``model.compute_loss``: the compiled loss, ``add_loss`` a
 when it was compiled with one (or overrides ``compute_loss``, or adds losses), else the outputs must be the
 scalar loss. ``optimizer``: a Keras optimizer (not a ``LossScaleOptimizer``: pass its inner optimizer).
 
-Algorithm: the taps run eagerly (``tf.config.run_functions_eagerly`` is on for the forward pass and the
-gradient, also for a model compiled with ``jit_compile``), in float32: every layer whose dtype policy
-computes in another dtype than its variables' ("mixed_float16", "mixed_bfloat16") is set to its variable
-dtype meanwhile, as torch's doctor turns autocast off. Snapshot (reads: TensorFlow copies a variable's
-buffer only when it is written while a read of it is alive) the model's variables (with its seed
-generators), its metrics' variables, the optimizer's variables (an optimizer not yet built is first built
-for the model's trainable variables, as its first ``apply`` would, so what is put back is its initial
-state), Keras's global seed generator (forgotten again if the step makes it) and Python's random state
-(Keras seeds a SeedGenerator made without a seed from it). Then ``steps`` ordinary float32 steps with
-taps:
+Algorithm: ``steps`` ordinary float32 steps, in float32: every layer whose dtype policy computes in
+another dtype than its variables' ("mixed_float16", "mixed_bfloat16") is set to its variable dtype
+meanwhile, as torch's doctor turns autocast off. Snapshot (reads: TensorFlow copies a variable's buffer
+only when it is written while a read of it is alive) the model's variables (with its seed generators), its
+metrics' variables, the optimizer's variables (an optimizer not yet built is first built for the model's
+trainable variables, as its first ``apply`` would, so what is put back is its initial state), Keras's
+global seed generator (forgotten again if the step makes it) and Python's random state (Keras seeds a
+SeedGenerator made without a seed from it). Then each step, with taps:
 - every leaf layer (``keep.named_layers``: layers without sub-layers) gets an instance ``call`` that
   records its floating outputs ("output"); one ``tape.gradient(loss, outputs + trainable variables)``
   gives the gradients w.r.t. them ("grad_output"; outputs the loss does not depend on have none);
@@ -33,14 +31,37 @@ writes them), the optimizer's and the metrics' variables (a metric the compiled 
 step is reset) and the random states. Not restorable: TensorFlow's legacy op-seeded random ops
 (``tf.random.normal`` without a seed generator) and ``tf.random.Generator`` states.
 
-Binning is ``binning.py``'s (``histogram``, ``ratio_histogram``): on the device, exact.
+The step runs as a graph, as ``fit`` runs it (``tf.function`` without autograph, inner ``tf.function``s
+inlined; a model's ``jit_compile`` is not used): the taps record the outputs of the graph being traced, and
+the one traced function does the forward, the loss, the gradients, the optimizer's ``apply`` and the
+binning of every tapped tensor (``binning.records``: XLA kernels, exact), returning one int64 vector of
+counts and extremes per step; the host sums them into the histograms. Its float ops are the graph's, which
+grappler may fuse or reorder as in any ``tf.function`` step (a last-bit difference from an eager step).
+Traced steps are kept, by model (held weakly; at most 4 a model), and reused while the model, ``loss_fn``
+and ``optimizer`` are the same objects, the batch's structure, shapes and dtypes the same, and so are the
+layers, their dtype policies and trainable flags, the variables (of the model, of its metrics, of the
+optimizer) and Keras's global seed generator; a step that made the global seed generator is traced again
+next time (it is forgotten after each call). As with ``fit``'s cached step, Python state the model's
+``call`` or ``loss_fn`` read while tracing (an attribute changed later) is not seen again. The first call
+for a model pays the tracing and XLA's compilation (seconds).
+
+Eagerly instead (``tf.config.run_functions_eagerly``, for the forward pass and the gradient, also for a
+model compiled with ``jit_compile``; each tensor binned as it comes by ``histogram`` and
+``ratio_histogram``) when ``tf.config.functions_run_eagerly()`` is on, when the step cannot be traced (the
+model or the loss fails in a graph: the eager run raises the error as a model's own step would, the
+forward's wrapped with the input shapes) or a tapped layer runs inside a graph of its own (a
+``tf.while_loop``, ``tf.cond``, an RNN's step: its outputs could not be recorded), or when the traced step
+fails when run (an assertion in the loss: then after a restore, eagerly, for the error an eager step
+raises). The checks' ``PolyampError``\\ s are the same either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-import random
+import weakref
 from collections import defaultdict
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
@@ -50,84 +71,277 @@ from ..doctor.recommend import KINDS, Observation
 from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
-from .binning import histogram, ratio_histogram
+from .binning import Tally, histogram, ratio_histogram, records
 from .keep import named_layers, sublayers
 from .policies import check_keras
+from .snapshot import Snapshot, global_seed_generator
 
 
 def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> list[Observation]:
     """Observe ``steps`` float32 training steps of ``model`` on ``batch``; the model, its variables and
     ``optimizer`` are left exactly as they were (module docstring)."""
     _check(model, batch, loss_fn, steps, optimizer)
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(batch)
-    layers = _layers(model)
-    trainable = list({id(v): v for v in model.trainable_variables}.values())
-    found: dict[tuple[str, str], list[LogHistogram]] = defaultdict(list)
-    state = _Snapshot(model, optimizer)
-    taps: list[tuple[keras.layers.Layer, object]] = []
-    record: list[tuple[str, tf.Tensor]] = []
+    job = _Job(model, batch, loss_fn, optimizer)
     try:
-        state.float32_compute()
-        if optimizer is not None:
-            state.optimizer(trainable)
-        taps = [(layer, _tap(layer, name, record)) for name, layer, _ in layers if layer is not None]
-        before = {id(v): value for v, value in zip(state.variables, state.values)}
+        found = job.run(job.eager if tf.config.functions_run_eagerly() else job.traced, steps)
+    except _Untraceable:
+        found = job.run(job.eager, steps)
+    return [Observation(name, kind, _merged(found[name, kind]))
+            for name, _, _ in job.layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
+
+
+def _merged(hists: list[LogHistogram]) -> LogHistogram:
+    return hists[0] if len(hists) == 1 else hists[0].merge(*hists[1:])
+
+
+class _Untraceable(Exception):
+    """The tapped step cannot run as a graph (or failed there): run it eagerly instead."""
+
+
+class _Trace(NamedTuple):
+    fn: object  # the concrete function: the batch's tensors -> one int64 vector; None: run eagerly
+    spans: list  # ((layer, kind, layout), start, stop) of each histogram's record in it
+    why: str = ""  # why it runs eagerly
+
+
+class _Job:
+    """One ``collect``: what it observes, and its steps, traced or eager, between a snapshot and its
+    restore."""
+
+    def __init__(self, model, batch, loss_fn, optimizer):
+        self.model, self.loss_fn, self.opt = model, loss_fn, optimizer
+        self.inputs = keras.utils.unpack_x_y_sample_weight(batch)  # x, y, sample_weight
+        self.flat = [t for t in tf.nest.flatten(self.inputs) if t is not None]
+        self.layers = _layers(model)
+        self.trainable = list({id(v): v for v in model.trainable_variables}.values())
+        self.sink = _Sink()
+
+    def run(self, steps_of, steps: int) -> dict[tuple[str, str], list[LogHistogram]]:
+        """``steps_of(steps, snapshot)`` in float32, everything put back afterwards."""
+        state = Snapshot(self.model, self.opt)
+        try:
+            state.float32_compute()
+            if self.opt is not None:
+                state.optimizer(self.trainable)
+            return steps_of(steps, state)
+        finally:
+            state.restore()
+
+    def traced(self, steps: int, state) -> dict[tuple[str, str], list[LogHistogram]]:
+        """``steps`` calls of the traced step (kept: ``_Traces``); only its vectors reach the host."""
+        trace = _TRACES.get(self) or _TRACES.put(self, self.trace())
+        if trace.fn is None:
+            raise _Untraceable(trace.why)
+        tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
         for _ in range(steps):
-            for name, _, vs in layers:
-                found[name, "weight"] += [histogram(before[id(v)]) for v in vs]
-            record.clear()
-            grads = _step(model, x, y, sample_weight, loss_fn, record, trainable)
-            for (name, out), grad in zip(record, grads):
-                found[name, "output"].append(histogram(out))
-                if grad is not None:
-                    found[name, "grad_output"].append(histogram(grad))
-            grad_of = {id(v): g for v, g in zip(trainable, grads[len(record) :]) if g is not None}
-            for name, _, vs in layers:
-                found[name, "grad_weight"] += [histogram(grad_of[id(v)]) for v in vs if id(v) in grad_of]
-            record.clear()
-            if optimizer is None:
-                continue
-            stepped = [v for v in trainable if id(v) in grad_of]
-            optimizer.apply([grad_of[id(v)] for v in stepped], stepped)
-            after = {id(v): tf.identity(v) for v in stepped}
-            for name, _, vs in layers:
-                found[name, "update_ratio"] += [ratio_histogram(after[id(v)] - before[id(v)], before[id(v)])
-                                                for v in vs if id(v) in after]  # fmt: skip
-            before.update(after)
-    finally:
-        record.clear()
-        for layer, own in taps:
-            if own is None:
-                del layer.call
-            else:
-                layer.call = own
-        state.restore()
-    return [Observation(name, kind, found[name, kind][0].merge(*found[name, kind][1:]))
-            for name, _, _ in layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
-
-
-def _step(model, x, y, sample_weight, loss_fn, record, trainable):
-    """Forward, loss and one ``tape.gradient`` for the recorded outputs and the trainable variables."""
-    eager = tf.config.functions_run_eagerly()
-    tf.config.run_functions_eagerly(True)
-    try:
-        with tf.GradientTape() as tape:
             try:
-                outputs = model(x, training=True)
-            except (ValueError, TypeError, tf.errors.InvalidArgumentError) as err:
-                if isinstance(err, PolyampError):
-                    raise
-                shapes = [tuple(t.shape) for t in tf.nest.flatten(x) if tf.is_tensor(t)]
-                raise PolyampError(f"the model's forward failed on the batch (input shapes {shapes}): {err}"
-                                   ) from err  # fmt: skip
-            loss = _loss(model, x, y, sample_weight, outputs, loss_fn)
-        grads = tape.gradient(loss, [t for _, t in record] + trainable,
-                              unconnected_gradients=tf.UnconnectedGradients.NONE)  # fmt: skip
-    finally:
-        tf.config.run_functions_eagerly(eager)
-    if all(g is None for g in grads[len(record) :]):
-        raise PolyampError("the loss does not depend on any trainable variable of the model")
-    return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+                record = trace.fn(*self.flat).numpy()
+            except tf.errors.OpError as err:
+                raise _Untraceable(str(err)) from err
+            for (name, kind, layout), start, stop in trace.spans:
+                tallies[name, kind].add(layout, record[start:stop])
+        return {key: [tally.histogram()] for key, tally in tallies.items()}
+
+    def trace(self) -> _Trace:
+        """The tapped step as a graph for tensors like ``self.flat``, or ``_Trace(None, ..., why)`` when it
+        cannot be traced (the checks' PolyampErrors are raised)."""
+        spans: list = []
+        held = {"job": self}  # emptied after tracing: the kept graph holds no reference to the model
+
+        def step(*flat):
+            job = held["job"]
+            spans.clear()
+            job.sink.graph = tf.compat.v1.get_default_graph()
+            leaves = iter(flat)
+            inputs = tf.nest.map_structure(lambda t: None if t is None else next(leaves), job.inputs)
+            before = {id(v): tf.identity(v) for v in job.trainable}
+            observed = job.step(inputs, before, eager=False)[0]
+            vector, where = records([t for _, _, t in observed])
+            spans.extend(((name, kind, layout), start, stop)
+                         for (name, kind, _), (layout, start, stop) in zip(observed, where))  # fmt: skip
+            return vector
+
+        specs = [tf.TensorSpec(t.shape, t.dtype) for t in self.flat]
+        try:
+            with self.tapped():
+                fn = tf.function(step, autograph=False).get_concrete_function(*specs)
+        except PolyampError:
+            raise
+        except Exception as err:  # noqa: BLE001  (whatever fails in a graph runs eagerly instead)
+            return _Trace(None, [], f"{type(err).__name__}: {err}")
+        finally:
+            held.clear()
+            self.sink.graph = None
+        if self.sink.foreign:
+            return _Trace(None, [], "a tapped layer ran in a graph of its own (a loop, a branch)")
+        return _Trace(fn, spans)
+
+    def eager(self, steps: int, state) -> dict[tuple[str, str], list[LogHistogram]]:
+        """``steps`` eager steps, each tensor binned as it comes."""
+        found: dict[tuple[str, str], list[LogHistogram]] = defaultdict(list)
+        before = {id(v): value for v, value in zip(state.variables, state.values)}
+        with self.tapped():
+            for _ in range(steps):
+                observed, after = self.step(self.inputs, before, eager=True)
+                for name, kind, t in observed:
+                    found[name, kind].append(ratio_histogram(t[0] - t[1], t[1]) if kind == "update_ratio"
+                                             else histogram(t))  # fmt: skip
+                before.update(after)
+        return found
+
+    @contextlib.contextmanager
+    def tapped(self):
+        """Every leaf layer puts its floating outputs in ``self.sink`` meanwhile."""
+        taps = []
+        try:
+            for name, layer, _ in self.layers:
+                if layer is not None:
+                    taps.append((layer, _tap(layer, name, self.sink)))
+            yield
+        finally:
+            self.sink.record.clear()
+            for layer, own in taps:
+                if own is None:
+                    del layer.call
+                else:
+                    layer.call = own
+
+    def step(self, inputs, before: dict, eager: bool):
+        """One tapped step: ``[(layer, kind, tensor or (after, before))]`` and the values after it of the
+        variables the optimizer stepped."""
+        sink = self.sink
+        observed = [(name, "weight", before[id(v)]) for name, _, vs in self.layers for v in vs]
+        sink.record.clear()
+        grads = self.gradients(*inputs, eager)
+        for (name, out), grad in zip(sink.record, grads):
+            observed.append((name, "output", out))
+            if grad is not None:
+                observed.append((name, "grad_output", grad))
+        grad_of = {id(v): g for v, g in zip(self.trainable, grads[len(sink.record) :]) if g is not None}
+        sink.record.clear()
+        observed += [(name, "grad_weight", grad_of[id(v)]) for name, _, vs in self.layers for v in vs
+                     if id(v) in grad_of]  # fmt: skip
+        if self.opt is None:
+            return observed, {}
+        stepped = [v for v in self.trainable if id(v) in grad_of]
+        self.opt.apply([grad_of[id(v)] for v in stepped], stepped)
+        after = {id(v): tf.identity(v) for v in stepped}
+        observed += [(name, "update_ratio", (after[id(v)], before[id(v)]))
+                     for name, _, vs in self.layers for v in vs if id(v) in after]  # fmt: skip
+        return observed, after
+
+    def gradients(self, x, y, sample_weight, eager: bool) -> list:
+        """Forward, loss and one ``tape.gradient`` for the recorded outputs and the trainable variables;
+        inner ``tf.function``s run as Python (eagerly, or inlined in the graph being traced)."""
+        model, record, functions_eagerly = self.model, self.sink.record, tf.config.functions_run_eagerly()
+        tf.config.run_functions_eagerly(True)
+        try:
+            with tf.GradientTape() as tape:
+                try:
+                    outputs = model(x, training=True)
+                except (ValueError, TypeError, tf.errors.InvalidArgumentError) as err:
+                    if isinstance(err, PolyampError) or not eager:
+                        raise
+                    shapes = [tuple(t.shape) for t in tf.nest.flatten(x) if tf.is_tensor(t)]
+                    raise PolyampError(f"the model's forward failed on the batch (input shapes {shapes}): "
+                                       f"{err}") from err  # fmt: skip
+                loss = _loss(model, x, y, sample_weight, outputs, self.loss_fn)
+            grads = tape.gradient(loss, [t for _, t in record] + self.trainable,
+                                  unconnected_gradients=tf.UnconnectedGradients.NONE)  # fmt: skip
+        finally:
+            tf.config.run_functions_eagerly(functions_eagerly)
+        if all(g is None for g in grads[len(record) :]):
+            raise PolyampError("the loss does not depend on any trainable variable of the model")
+        return [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+
+
+class _Sink:
+    """Where the taps put each leaf layer's floating outputs: eagerly (``graph`` None) the eager ones;
+    while tracing those of ``graph``, and an output in another graph (a layer called in a loop, a branch)
+    sets ``foreign``."""
+
+    def __init__(self):
+        self.graph = None
+        self.record: list[tuple[str, tf.Tensor]] = []
+        self.foreign = False
+
+    def add(self, name: str, outputs) -> None:
+        for t in tf.nest.flatten(outputs):
+            if not (tf.is_tensor(t) and t.dtype.is_floating):
+                continue
+            if self.graph is None:
+                if tf.executing_eagerly():
+                    self.record.append((name, t))
+            elif getattr(t, "graph", None) is self.graph:
+                self.record.append((name, t))
+            else:
+                self.foreign = True
+
+
+class _Traces:
+    """Traced steps by model, held weakly (module docstring): the latest ``KEEP`` of each model, each kept
+    with weak references to the objects it was traced for."""
+
+    KEEP = 4
+
+    def __init__(self):
+        self._by_model: dict[int, list] = {}
+
+    def get(self, job: _Job) -> _Trace | None:
+        entries = self._by_model.get(id(job.model), [])
+        key, objects = self._key(job), None
+        for i, (entry_key, refs, trace) in enumerate(entries):
+            if entry_key != key:
+                continue
+            objects = self._objects(job) if objects is None else objects
+            if len(refs) == len(objects) and all((r is None and o is None) or (r is not None and r() is o)
+                                                 for r, o in zip(refs, objects)):  # fmt: skip
+                entries.insert(0, entries.pop(i))
+                return trace
+        return None
+
+    def put(self, job: _Job, trace: _Trace) -> _Trace:
+        """Keep ``trace`` for what ``job`` sees now (after the tracing made what it makes)."""
+        try:
+            refs = [None if o is None else weakref.WeakMethod(o) if inspect.ismethod(o) else weakref.ref(o)
+                    for o in self._objects(job)]  # fmt: skip
+        except TypeError:  # an object without weak references (a builtin as loss_fn): not kept
+            return trace
+        model_id = id(job.model)
+        if model_id not in self._by_model:
+            weakref.finalize(job.model, self._by_model.pop, model_id, None)
+        entries = self._by_model.setdefault(model_id, [])
+        entries.insert(0, (self._key(job), refs, trace))
+        del entries[self.KEEP :]
+        return trace
+
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._by_model.values())
+
+    @staticmethod
+    def _key(job: _Job) -> tuple:
+        """What is compared by value: dtype policies (as set for the step: float32 compute), trainable
+        flags, the batch's structure, shapes and dtypes."""
+        model = job.model
+        layers = [model, *(layer for _, layer in named_layers(model))]
+        return (
+            tuple((layer.dtype_policy.name, layer.trainable) for layer in layers),
+            tuple(v.trainable for v in model.variables),
+            tf.nest.map_structure(lambda t: t if t is None else (tuple(t.shape), t.dtype.name), job.inputs),
+        )
+
+    @staticmethod
+    def _objects(job: _Job) -> list:
+        """What is compared by identity."""
+        model = job.model
+        metrics = model.metrics_variables if isinstance(model, keras.Model) else []
+        opt = list(job.opt.variables) if job.opt is not None else []
+        layers = [layer for _, layer in named_layers(model)]
+        gen = global_seed_generator()
+        return [model, job.loss_fn, job.opt, gen, *layers, *model.variables, *metrics, *opt]
+
+
+_TRACES = _Traces()
 
 
 def _loss(model, x, y, sample_weight, outputs, loss_fn):
@@ -144,6 +358,8 @@ def _loss(model, x, y, sample_weight, outputs, loss_fn):
         loss = model.compute_loss(x=x, y=y, y_pred=outputs, sample_weight=sample_weight, **kwargs)
     else:
         source, loss = "the model (loss_fn=None, not compiled with a loss)", outputs
+    if tf.is_tensor(loss) and loss.shape.num_elements() is None:
+        raise _Untraceable  # a graph's shape known only when run: checked eagerly
     if not (tf.is_tensor(loss) and loss.dtype.is_floating and loss.shape.num_elements() == 1):
         what = f"shape {tuple(loss.shape)} {loss.dtype.name}" if tf.is_tensor(loss) else _type(loss)
         raise PolyampError(f"{source} must return a scalar floating-point loss tensor, got {what}")
@@ -157,84 +373,19 @@ def _compiled_loss(model) -> bool:
     return model.loss is not None or overridden or bool(model.losses)
 
 
-def _tap(layer, name: str, record: list):
-    """Give ``layer`` an instance ``call`` that records its floating outputs; returns the instance
+def _tap(layer, name: str, sink: _Sink):
+    """Give ``layer`` an instance ``call`` that puts its outputs in ``sink``; returns the instance
     attribute it replaced (None: there was none)."""
     own = vars(layer).get("call")
     original = layer.call
 
     def call(*args, **kwargs):
         outputs = original(*args, **kwargs)
-        if tf.executing_eagerly():
-            record.extend((name, t) for t in tf.nest.flatten(outputs)
-                          if tf.is_tensor(t) and t.dtype.is_floating)  # fmt: skip
+        sink.add(name, outputs)
         return outputs
 
     layer.call = call
     return own
-
-
-class _Snapshot:
-    """What ``collect`` puts back: variables, dtype policies, the optimizer, metrics, random states."""
-
-    def __init__(self, model, optimizer):
-        self.model, self.opt = model, optimizer
-        self.variables = list({id(v): v for v in model.variables}.values())
-        self.values = [tf.identity(v) for v in self.variables]
-        self.trainable = {id(v) for v in model.trainable_variables}
-        metrics = getattr(model, "metrics_variables", []) if isinstance(model, keras.Model) else []
-        self.metrics = [(v, tf.identity(v)) for v in metrics]
-        self.policies: list[tuple[keras.layers.Layer, object]] = []
-        self.opt_values: list[tuple[object, tf.Tensor]] = []
-        gen = _global_seed_generator()
-        self.seed = (gen.state, tf.identity(gen.state)) if gen is not None else None
-        self.py_random = random.getstate()  # Keras draws the seed of a SeedGenerator made without one from it
-
-    def float32_compute(self) -> None:
-        """Layers computing in another dtype than their variables' compute in their variables' meanwhile."""
-        for layer in [self.model, *(layer for _, layer in named_layers(self.model))]:
-            policy = layer.dtype_policy
-            plain = not isinstance(policy, keras.dtype_policies.DTypePolicyMap)
-            if plain and policy.quantization_mode is None and policy.compute_dtype != policy.variable_dtype:
-                self.policies.append((layer, policy))
-                layer.dtype_policy = policy.variable_dtype
-
-    def optimizer(self, trainable: list) -> None:
-        if not self.opt.built:  # as its first apply would; its initial state is what is put back
-            self.opt.build(trainable)
-        self.opt_values = [(v, tf.identity(v)) for v in self.opt.variables]
-
-    def restore(self) -> None:
-        for layer, policy in reversed(self.policies):
-            layer.dtype_policy = policy
-        writes = self.opt is not None
-        for v, value in zip(self.variables, self.values):
-            if writes or id(v) not in self.trainable:
-                v.assign(value)
-        for v, value in self.opt_values:
-            v.assign(value)
-        if isinstance(self.model, keras.Model):
-            saved = {id(v) for v, _ in self.metrics}
-            for metric in self.model.metrics:  # created by the compiled loss during the step
-                if any(id(v) not in saved for v in metric.variables):
-                    metric.reset_state()
-        for v, value in self.metrics:
-            v.assign(value)
-        if self.seed is not None:
-            self.seed[0].assign(self.seed[1])
-        elif _global_seed_generator() is not None:  # made during the step: there was none
-            _global_seed_generator(reset=True)
-        random.setstate(self.py_random)
-
-
-def _global_seed_generator(reset: bool = False):
-    """Keras's global SeedGenerator (``keras.random.*`` with ``seed=None``), if one was made; ``reset``:
-    forget it, as if none had been made."""
-    from keras.src.backend.common import global_state
-
-    if reset:
-        global_state.set_global_attribute("global_seed_generator", None)
-    return global_state.get_global_attribute("global_seed_generator")
 
 
 def _layers(model) -> list[tuple[str, keras.layers.Layer | None, list]]:
