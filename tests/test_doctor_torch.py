@@ -12,7 +12,10 @@ from torch import nn
 
 from polyamp import PolyampError
 from polyamp.doctor import KINDS, N_BINS, LogHistogram, Observation, update_ratio_histogram
-from polyamp.torch.doctor import collect, histogram, ratio_histogram
+from polyamp.torch import binning as torch_binning
+from polyamp.torch import doctor as torch_doctor
+from polyamp.torch.binning import histogram, ratio_histogram
+from polyamp.torch.doctor import collect
 
 
 def reference(t: torch.Tensor) -> LogHistogram:
@@ -118,6 +121,137 @@ def test_only_small_arrays_reach_the_host(monkeypatch):
     assert seen and max(seen) <= N_BINS < 64 * 128
 
 
+# -- the fast paths: large tensors, threads, a few special elements ---------------------------------
+LARGE = 300_000  # 73 rows of _ROW and a tail; past _LARGE (set so below): int16 keys in lanes
+
+
+@pytest.fixture(params=[1, 3], ids=["1 thread", "3 threads"])
+def threads(request, monkeypatch):
+    """The taps' view of torch's thread count, and chunks small enough that a LARGE tensor's bincount is
+    split over that many."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: request.param)
+    monkeypatch.setattr(torch_binning, "_SPLIT", LARGE // 4)
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def large_from(monkeypatch):
+    """LARGE tensors take the int16 path (``_LARGE``) while staying quick to test."""
+    monkeypatch.setattr(torch_binning, "_LARGE", LARGE - 1000)
+
+
+def sprinkle(x, values, where):
+    x = x.clone()
+    x[where] = torch.tensor(values, dtype=torch.float64).to(x.dtype).repeat(len(where))[: len(where)]
+    return x
+
+
+def test_split_bincount_of_int16_lanes_equals_one_plain_bincount(threads):
+    g = torch.Generator().manual_seed(8)
+    v = torch.randint(0, 2**31 - 1, (LARGE,), generator=g, dtype=torch.int32)
+    v[:5000] = torch.randint(0, 2**19, (5000,), generator=g, dtype=torch.int32)  # key 0 in all lanes
+    v[-7:] = torch.tensor([0, 1, 2**19 - 1, 2**19, 0x7F800000, 0x7FC00000, 2**31 - 1], dtype=torch.int32)
+    with torch_binning.Scratch() as scratch:
+        got = torch_binning._keys(v, scratch)
+    assert torch.equal(got, torch.bincount(v >> 19, minlength=4096))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_large_tensors_bin_exactly_with_few_or_many_special_values(dtype, threads):
+    x = wide(LARGE, dtype, seed=9)
+    specials = special_values(dtype).tolist()
+    few = [3, 70_000, 150_001, LARGE - 2]  # three rows and the tail
+    for where in (few, list(range(0, LARGE, 89))):
+        t = sprinkle(x, specials, where)
+        assert histogram(t) == reference(t), (dtype, len(where))
+        for value in (0.0, -0.0, math.inf, math.nan, 1e-45, 1e-40):  # one kind alone
+            t = sprinkle(x, [value], where)
+            assert histogram(t) == reference(t), (dtype, value, len(where))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_large_tensors_of_normal_values_bin_exactly_from_their_high_halves(dtype, threads):
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(LARGE, generator=g) * 0.02).to(dtype)
+    tail = x.clone()
+    tail[-1] = 1e-4 * float(x.abs().min())  # the least magnitude alone in the tail
+    tail[7] = -float(x.abs().max()) * 3  # the largest negative
+    same = torch.full((LARGE,), -0.37, dtype=dtype)  # the lowest key in every row
+    for t in (x, tail, same, x.reshape(500, 600)[:, ::2]):
+        assert histogram(t) == reference(t), (dtype, t.shape)
+    few = [11, 200_000, LARGE - 1]
+    for values in ([0.0], [-0.0, 0.0, 3.0], [1e-45], [0.0, 1e-45], [1e-40], [0.0] * 3 + [1e-40]):
+        t = sprinkle(x, values, few)  # zeros in a few rows and the tail; subnormals (float32) beside them
+        assert histogram(t) == reference(t), (dtype, values)
+
+
+def test_extremes_leave_the_magnitude_bits_as_they_were():
+    x = wide(LARGE, torch.float32, seed=10)
+    cases = [([0.0], [5, LARGE - 1]), ([math.inf, 0.0], range(0, LARGE, 3)), ([0.0], range(LARGE))]
+    for values, where in cases:  # a few in their rows, many, all
+        t = sprinkle(x, values, list(where))
+        a = t.view(torch.int32) & 0x7FFFFFFF
+        kept = a.clone()
+        with torch_binning.Scratch() as scratch:
+            assert torch_binning.merged([torch_binning._hist_bits(a, scratch)]) == reference(t)
+        assert torch.equal(a, kept)
+
+
+def test_update_ratios_with_few_or_many_special_elements_equal_the_core(threads):
+    g = torch.Generator().manual_seed(11)
+    n = LARGE
+    w = torch.randn(n, generator=g) * 0.05
+    u = torch.randn(n, generator=g) * 1e-4
+    cases = {0: (0.0, 1.0), 9: (1.0, 0.0), 4097: (math.nan, 1.0), 150_000: (1.0, math.inf),
+             200_000: (1e-44, 1.0), 250_000: (1.0, 1e-41),
+             n - 3: (3e38, 1e-37), n - 1: (1e-37, 3e38)}  # fmt: skip
+    for step in (None, 997):  # a few (searched in their rows), then many (one mask)
+        uu, ww = u.clone(), w.clone()
+        for i, (ui, wi) in cases.items():
+            where = slice(i, i + 1) if step is None else slice(i % step, n, step)
+            uu[where], ww[where] = ui, wi
+        got, want = ratio_histogram(uu, ww), update_ratio_histogram(uu.numpy(), ww.numpy())
+        assert got == want, step
+        assert got.apart >= 1 and got.nonfinite >= 2 and got.zeros >= 1
+    uu, ww = u.clone(), w.clone()
+    uu[7], uu[n - 5], ww[n - 5] = 3e38, 2e-38, 1e3  # ratios >= 2^128 and < 2^-126 of normal u and w
+    got = ratio_histogram(uu, ww)
+    assert got == update_ratio_histogram(uu.numpy(), ww.numpy())
+    assert got.counts[-1] == 1 and got.amax > 2.0**128 and got.amin_nonzero < 2.0**-126
+
+
+@pytest.mark.parametrize("spare", [False, True], ids=["scratch", "spare memory"])
+def test_fused_weight_and_update_histograms_equal_the_core(spare):
+    g = torch.Generator().manual_seed(12)
+    before = torch.randn(512, 600, generator=g) * 0.05
+    before[3, :7] = 0.0  # a few zero weights: apart
+    after = before + torch.randn(512, 600, generator=g) * 1e-4
+    after[100, 5:9] = before[100, 5:9]  # lost updates
+    want = update_ratio_histogram((after - before).numpy(), before.numpy()), reference(before)
+    kept = before.clone()
+    spares = (torch.empty_like(before), after) if spare else ()  # the last gradient and working value
+    with torch_binning.Scratch() as scratch:
+        parts = torch_doctor._update(after, before, scratch, spares)
+    update, weight = (torch_binning.merged([part]) for part in reversed(parts))
+    assert (update, weight) == want and torch.equal(before, kept)
+    assert update.apart == 7 and update.zeros >= 4
+
+
+def test_a_stepped_parameter_that_never_moves_has_only_zero_updates():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    with torch.no_grad():
+        model[0].bias[:3] = 0.0
+    model[0].requires_grad_(False)  # no gradient: Adam leaves it as it is
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    obs = collect(model, torch.randn(4, 8), lambda out, x: out.pow(2).mean(), optimizer=adam)
+    table = {(o.layer, o.kind): o.hist for o in obs}
+    moved = table["0", "update_ratio"]
+    zero = np.zeros(8 * 8 + 8, np.float32)
+    weights = np.concatenate([model[0].weight.detach().numpy().ravel(), model[0].bias.detach().numpy()])
+    assert moved == update_ratio_histogram(zero, weights)
+    assert moved.zeros == 8 * 8 + 5 and moved.apart == 3
+
+
 # -- collect: never changes the model or the optimizer ----------------------------------------------
 class Net(nn.Module):
     """Parameters at the root and in leaves, a frozen layer, buffers (BatchNorm), dropout."""
@@ -185,8 +319,13 @@ def test_collect_leaves_model_optimizer_and_rng_bitwise_unchanged(steps, with_op
     assert opt.state  # Adam has state: exp_avg, exp_avg_sq, step
     opt = opt if with_optimizer else None
     before = snapshot(model, opt)
+    storage = [(p, p.data_ptr()) for p in model.parameters()]
+    state = {id(p): dict(s) for p, s in opt.state.items()} if opt is not None else {}
     obs = collect(model, batch, nn.functional.mse_loss, steps=steps, optimizer=opt)
     assert snapshot(model, opt) == before
+    # the optimizer stepped working copies: the parameters' storages and the state's tensors are the same
+    assert all(p.data_ptr() == ptr for p, ptr in storage)
+    assert all(opt.state[p][k] is v for p in model.parameters() for k, v in state.get(id(p), {}).items())
     kinds = {o.kind for o in obs}
     assert ("update_ratio" in kinds) == with_optimizer
 
