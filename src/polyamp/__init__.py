@@ -8,7 +8,19 @@ from . import doctor
 from .errors import NonFiniteError, PolyampError, UnsupportedError
 from .mixed_precision import MixedPrecision
 from .native import from_native, to_native
-from .numerics import FORMATS, ROUNDINGS, FloatFormat, decode, encode, get_format, quantize
+from .numerics import (
+    BLOCK_FORMATS,
+    FORMATS,
+    ROUNDINGS,
+    FloatFormat,
+    decode,
+    decode_blocks,
+    encode,
+    encode_blocks,
+    get_format,
+    quantize,
+    quantize_blocks,
+)
 from .policy import Policy
 from .scaling import DynamicLossScale, LossScale, LossScaleState, NoLossScale, StaticLossScale
 from .step import StepResult
@@ -16,6 +28,7 @@ from .step import StepResult
 __version__ = "0.1.0"
 
 __all__ = [
+    "BLOCK_FORMATS",
     "FORMATS",
     "ROUNDINGS",
     "DynamicLossScale",
@@ -31,10 +44,13 @@ __all__ = [
     "StepResult",
     "UnsupportedError",
     "decode",
+    "decode_blocks",
     "doctor",
     "encode",
+    "encode_blocks",
     "from_native",
     "get_format",
     "quantize",
+    "quantize_blocks",
     "to_native",
 ]

@@ -1,16 +1,21 @@
 """Exact low-precision numerics in pure numpy: formats, rounding, bit codes."""
 
+from .blocks import BLOCK_FORMATS, decode_blocks, encode_blocks, quantize_blocks
 from .codes import decode, encode, neighbours
 from .formats import FORMATS, FloatFormat, get_format
 from .rounding import ROUNDINGS, quantize
 
 __all__ = [
+    "BLOCK_FORMATS",
     "FORMATS",
     "ROUNDINGS",
     "FloatFormat",
     "decode",
+    "decode_blocks",
     "encode",
+    "encode_blocks",
     "get_format",
     "neighbours",
     "quantize",
+    "quantize_blocks",
 ]

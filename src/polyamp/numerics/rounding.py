@@ -28,6 +28,7 @@ tested to agree bit for bit; 16-bit inputs use a 65,536-entry table for nearest 
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 import os
@@ -40,6 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import PolyampError
+from ..frameworks import detect
 from .formats import FORMATS, FloatFormat, get_format
 
 ROUNDINGS = ("nearest", "stochastic", "toward_zero")
@@ -71,6 +73,9 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
     >>> float(quantize(68.00000356923152, "e4m3fn"))  # float64 is rounded once
     72.0
     """
+    front = _framework_tensor(x)
+    if front is not None:
+        return front.quantize(x, fmt, rounding, saturate, seed)
     fmt = get_format(fmt)
     mode = _rounding(rounding)
     saturate = _flag(saturate, "saturate")
@@ -81,6 +86,21 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
         _seed(seed)  # validated even when unused, so a typo is not silently ignored
     out = _quantize_array(arr, fmt, mode, saturate, seed or 0)
     return out[()] if out.ndim == 0 else out
+
+
+_FRONT_ENDS = ("torch", "jax")  # frameworks whose front end has a ``quantize`` module (framework ops)
+
+
+def _framework_tensor(x):
+    """``polyamp.<framework>.quantize`` when ``x`` is a tensor it takes, else None (numpy path).
+
+    Imports the front end only for a tensor of a framework that ``x`` proves is already imported.
+    """
+    name = detect(x)
+    if name not in _FRONT_ENDS:
+        return None
+    front = importlib.import_module(f"..{name}.quantize", __package__)
+    return front if front.accepts(x) else None
 
 
 def _quantize_array(arr: np.ndarray, fmt: FloatFormat, mode: int, saturate: bool, seed: int):

@@ -1,0 +1,416 @@
+"""MX and NVFP4 block formats: one shared scale per block of elements, every rounding exact.
+
+A block format stores each element as a small float (the *element format*) and one *scale* per block
+of consecutive elements along ``axis``. A value is ``element * scale`` (NVFP4: ``element * scale *
+global_scale``).
+
+============  =======  =====  =======  =========================================
+format        element  block  scale    scale rules
+============  =======  =====  =======  =========================================
+mxfp8_e4m3    e4m3fn   32     e8m0fnu  floor (default, OCP v1.0), rceil, ceil, even
+mxfp8_e5m2    e5m2     32     e8m0fnu  same
+mxfp6_e3m2    e3m2fn   32     e8m0fnu  same
+mxfp6_e2m3    e2m3fn   32     e8m0fnu  same
+mxfp4         e2m1fn   32     e8m0fnu  same
+nvfp4         e2m1fn   16     e4m3fn   one rule (TE's); 1x16 blocks, or 16x16 with ``block=(16, 16)``
+============  =======  =====  =======  =========================================
+
+The block size is part of the format (OCP MX v1.0 fixes k = 32 for its concrete formats, NVFP4 is
+16): any other ``block`` is refused.
+
+MX, per block, with ``amax = max |x|``, ``E = floor(log2 amax)`` and the element format's largest
+exponent ``emax``, largest value ``Fmax`` and mantissa bits ``m``:
+
+1. the scale exponent ``k``, by ``scale_rule``:
+   floor  ``E - emax`` (OCP MX v1.0's conversion); the amax lands in [2^emax, 2^(emax+1)) and clips
+          above Fmax: by up to 12.5 % for E4M3 (448 of 512), 25 % for E2M1 (6 of 8).
+   rceil  ``ceil(log2(amax / Fmax))``: the smallest k with ``amax <= Fmax * 2^k``; the amax never
+          clips (NVIDIA's MXFP8 recipe; cuBLAS / TE round the E8M0 scale toward +inf).
+   ceil   ``ceil(log2 amax) - emax`` (torchao ``ScaleCalculationMode.CEIL``).
+   even   ``floor(log2(amax rounded to m mantissa bits)) - emax`` (torchao ``EVEN``): E - emax, plus
+          one when ``amax >= 2^E * (2 - 2^-(m+1))``.
+   Then clamped to E8M0's range [-127, 127].
+2. each ``x / 2^k`` (exact) is rounded to the element format, ties to even or stochastically,
+   saturating at +-Fmax; 3. the value is ``element * 2^k``.
+
+NVFP4 (TransformerEngine ``NVFP4BlockScaling``, ``docs/features/low_precision_training/nvfp4``):
+
+1. ``s_global = amax / (448 * 6)`` over the tensor's finite elements, rounded once to float32;
+2. per block ``s_block = (amax_block / 6) / s_global`` rounded once to e4m3fn (ties to even,
+   saturating at 448);
+3. each ``x / (s_block * s_global)`` rounded once to e2m1fn (ties to even or stochastic, saturating);
+4. the value is ``element * s_block * s_global``.
+
+Each quotient is rounded once from its exact value: MX divides by a power of two (exact); NVFP4
+divides in float64, whose quotient rounds like the exact one (see ``_round_quotient``). Stochastic
+rounding draws from ``quantize``'s counter-based stream, indexed by the element's position in
+``x``; for NVFP4 its probability comes from the float64 quotient (relative error below 2^-52).
+
+Edge cases:
+
+- an all-zero block: MX scale 2^-127 (E8M0 code 0), NVFP4 block scale 0; its elements are +-0.
+- a block holding NaN or +-inf: its scale is NaN (E8M0 code 0xFF, e4m3fn code 0x7F) and every value
+  of the block is NaN; its element codes are 0. OCP MX v1.0 makes every element of a block with a
+  NaN scale NaN; microxcaling (``mx/mx_ops.py``) and torchao (``mx_tensor.py::to_mx``) both give a
+  block whose amax is NaN or inf the NaN scale. NVFP4's global amax skips non-finite elements, so a
+  bad block spoils only itself.
+- a trailing partial block is padded with zeros for its amax; results keep ``x``'s shape, and
+  there are ceil(n / block) scales along each blocked axis.
+- E8M0 clamp: a block with amax below 2^(emax - 127) gets 2^-127 and its elements become subnormal
+  or 0; a scale above 2^127 (float64 input with amax >= 2^(128 + emax) only) is clamped to 2^127
+  and the elements saturate, where microxcaling would give NaN.
+- NVFP4: a block whose ``s_block`` rounds to 0 holds +-0; a tensor with no finite non-zero
+  element has ``s_global = 1``; an ``s_global`` that underflows float32 becomes 2^-149.
+- result dtype: float32 and float64 inputs keep theirs; float16 and bfloat16 inputs come back as
+  float32 (no 16-bit dtype holds every value of a block format, e.g. anything scaled by 2^-127).
+  A value beyond float32's range (only ``|x|`` within one element step of float32's max under
+  rceil or ceil: mxfp4 of 3.4e38 is 4 * 2^126 = 2^128) becomes inf, as a float32 cast does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+
+from ..errors import PolyampError, invalid
+from .codes import decode, encode
+from .formats import FORMATS, FloatFormat
+from .rounding import (
+    _MODE,
+    _as_float_array,
+    _framework_tensor,
+    _quantize_array,
+    _rounding,
+    _seed,
+    exact_float64,
+)
+
+SCALE_RULES = ("floor", "rceil", "ceil", "even")
+_NVFP4_RANGE = 448 * 6
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block format: element format, scale format, block size and accepted scale rules."""
+
+    name: str
+    element: FloatFormat
+    scale: FloatFormat
+    block: int
+    rules: tuple[str, ...]
+    default_rule: str | None
+    blocks_2d: bool = False
+
+    @property
+    def blocks(self) -> tuple[tuple[int, ...], ...]:
+        """The accepted ``block`` shapes."""
+        return ((self.block,), (self.block, self.block)) if self.blocks_2d else ((self.block,),)
+
+
+def _mx(name: str, element: str) -> BlockFormat:
+    return BlockFormat(name, FORMATS[element], FORMATS["e8m0fnu"], 32, SCALE_RULES, "floor")
+
+
+BLOCK_FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        _mx("mxfp8_e4m3", "e4m3fn"),
+        _mx("mxfp8_e5m2", "e5m2"),
+        _mx("mxfp6_e3m2", "e3m2fn"),
+        _mx("mxfp6_e2m3", "e2m3fn"),
+        _mx("mxfp4", "e2m1fn"),
+        BlockFormat("nvfp4", FORMATS["e2m1fn"], FORMATS["e4m3fn"], 16, (), None, blocks_2d=True),
+    )
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Blocks:
+    """``x`` encoded in a block format (from ``encode_blocks``; ``decode_blocks`` reads it back).
+
+    ``elements``: element codes (uint8, the element format's bits), ``x``'s shape.
+    ``scales``: scale codes (uint8: E8M0 for MX, e4m3fn for NVFP4), ``x``'s shape with each blocked
+    axis of length n replaced by ceil(n / block): ``scales[..., j, ...]`` scales
+    ``elements[..., j*block:(j+1)*block, ...]`` along that axis.
+    ``global_scale``: NVFP4's float32 per-tensor scale, None for MX.
+    ``axes``: the blocked axes of ``x`` (non-negative; two for 16x16 blocks), ``block`` their sizes,
+    ``dtype`` the dtype ``decode_blocks`` returns.
+    """
+
+    format: str
+    scale_rule: str | None
+    axes: tuple[int, ...]
+    block: tuple[int, ...]
+    dtype: np.dtype
+    elements: np.ndarray
+    scales: np.ndarray
+    global_scale: np.float32 | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.elements.shape
+
+
+def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
+                    rounding: str = "nearest", seed: int | None = None) -> np.ndarray:  # fmt: skip
+    """Round ``x`` onto the block format ``fmt`` and return the values (see the module docstring).
+
+    ``axis``: the axis the blocks run along (an int); for 16x16 blocks a pair (default: the last
+    two axes). ``block``: None (the format's), or the format's own size (32; nvfp4: 16 or (16, 16)).
+    ``scale_rule``: MX only, "floor" (default), "rceil", "ceil" or "even". ``rounding``: "nearest"
+    (ties to even) or "stochastic" (``seed`` makes it reproducible).
+
+    >>> quantize_blocks([480.0, 1.0] + [0.0] * 30, "mxfp8_e4m3")[:2].tolist()  # 480 clips
+    [448.0, 1.0]
+    >>> quantize_blocks([480.0, 1.0] + [0.0] * 30, "mxfp8_e4m3", scale_rule="rceil")[:2].tolist()
+    [480.0, 1.0]
+    """
+    front = _framework_tensor(x)
+    if front is not None:
+        return front.quantize_blocks(x, fmt, axis, block, scale_rule, rounding, seed)
+    enc = _Encoding.of(x, fmt, axis, block, scale_rule, rounding, seed)
+    return _values(enc.axes, enc.block, enc.elements, enc.scales, enc.global_scale, enc.dtype)
+
+
+def encode_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
+                  rounding: str = "nearest", seed: int | None = None) -> Blocks:  # fmt: skip
+    """Round ``x`` as ``quantize_blocks`` does and return the codes as a ``Blocks``.
+
+    ``decode_blocks(encode_blocks(x, ...))`` equals ``quantize_blocks(x, ...)`` bit for bit.
+    """
+    enc = _Encoding.of(x, fmt, axis, block, scale_rule, rounding, seed)
+    bf = enc.bf
+    elements = encode(enc.elements, bf.element)
+    scales = encode(enc.scales, bf.scale)
+    g = None if enc.global_scale is None else np.float32(enc.global_scale)
+    return Blocks(bf.name, enc.rule, enc.axes, enc.block, enc.dtype, elements, scales, g)
+
+
+def decode_blocks(blocks: Blocks) -> np.ndarray:
+    """The values of a ``Blocks``: element * scale (* global scale), in ``blocks.dtype``."""
+    if not isinstance(blocks, Blocks):
+        raise PolyampError(f"decode_blocks takes a Blocks (from encode_blocks), got {type(blocks).__name__}")
+    bf = _block_format(blocks.format)
+    elements, scales = np.asarray(blocks.elements), np.asarray(blocks.scales)
+    want = list(elements.shape)
+    for a, b in zip(blocks.axes, blocks.block):
+        want[a] = -(-want[a] // b)
+    if scales.shape != tuple(want):
+        raise PolyampError(
+            f"Blocks.scales has shape {scales.shape}; accepted: {tuple(want)} for elements of shape "
+            f"{elements.shape} in blocks of {blocks.block} along axes {blocks.axes}"
+        )
+    g = None if blocks.global_scale is None else float(blocks.global_scale)
+    values = decode(elements, bf.element)
+    return _values(blocks.axes, blocks.block, values, decode(scales, bf.scale), g, np.dtype(blocks.dtype))
+
+
+# -- the algorithm ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Encoding:
+    """Element values (on the element grid, x's layout), scale values (scales' layout), global scale."""
+
+    bf: BlockFormat
+    rule: str | None
+    axes: tuple[int, ...]
+    block: tuple[int, ...]
+    dtype: np.dtype
+    elements: np.ndarray
+    scales: np.ndarray
+    global_scale: float | None
+
+    @classmethod
+    def of(cls, x, fmt, axis, block, scale_rule, rounding, seed) -> _Encoding:
+        bf = _block_format(fmt)
+        mode = _rounding(rounding)
+        if mode not in (_MODE["nearest"], _MODE["stochastic"]):
+            raise PolyampError(f"block formats round 'nearest' or 'stochastic', got rounding={rounding!r}")
+        if mode == _MODE["stochastic"]:
+            seed = _seed(seed)
+        elif seed is not None:
+            _seed(seed)  # validated even when unused, as quantize does
+        rule = _scale_rule(bf, scale_rule)
+        arr = _input(x)
+        shape = _block_shape(bf, block)
+        axes = _axes(axis, arr.ndim, len(shape))
+        dtype = arr.dtype if arr.dtype.itemsize >= 4 else np.dtype(np.float32)
+        x64 = arr.astype(np.float64)
+        a = np.abs(x64)
+        amax = _block_amax(a, axes, shape)
+        bad = ~np.isfinite(amax)
+        if bad.any():  # NaN blocks: scale NaN, elements 0
+            amax = np.where(bad, 0.0, amax)
+            x64 = np.where(_expand(bad, axes, shape, x64.shape), 0.0, x64)
+        seed = seed or 0
+        if bf.scale.name == "e8m0fnu":
+            k = _mx_exponent(amax, bf.element, rule).astype(np.int32)
+            scales = np.ldexp(1.0, k)
+            scaled = np.ldexp(x64, -_expand(k, axes, shape, x64.shape))
+            elements = _quantize_array(scaled, bf.element, mode, True, seed)
+            g = None
+        else:
+            g = _nvfp4_global(a)
+            unit = np.full(amax.shape, bf.element.max * g)
+            scales = _round_quotient(amax, unit, bf.scale, _MODE["nearest"], 0)
+            den = _expand(scales, axes, shape, x64.shape) * g
+            zero = den == 0  # s_block rounded to 0: the block holds +-0
+            if zero.any():
+                x64, den = np.where(zero, np.copysign(0.0, x64), x64), np.where(zero, 1.0, den)
+            elements = _round_quotient(x64, den, bf.element, mode, seed)
+        scales = np.where(bad, np.nan, scales)
+        return cls(bf, rule, axes, shape, dtype, elements, scales, g)
+
+
+def _mx_exponent(amax: np.ndarray, elem: FloatFormat, rule: str) -> np.ndarray:
+    """The E8M0 exponent of each block per ``rule`` (module docstring), as int64."""
+    _, e2 = np.frexp(amax)
+    e = e2.astype(np.int64) - 1  # floor(log2 amax), exact (frexp)
+    k = e - elem.emax
+    with np.errstate(under="ignore"):
+        if rule == "rceil":
+            k = k + (amax > np.ldexp(elem.max, k.astype(np.int32)))
+        elif rule == "ceil":
+            k = k + (amax > np.ldexp(1.0, e.astype(np.int32)))
+        elif rule == "even":
+            k = k + (amax >= np.ldexp(2.0 - 2.0 ** -(elem.mbits + 1), e.astype(np.int32)))
+    k = np.where(amax == 0, -127, k)
+    return np.clip(k, -127, 127)
+
+
+def _nvfp4_global(a: np.ndarray) -> float:
+    """float32(amax / 2688) over the finite elements, rounded once; 1 without a finite non-zero."""
+    finite = a[np.isfinite(a)]
+    amax = float(finite.max()) if finite.size else 0.0
+    if amax == 0:
+        return 1.0
+    g = exact_float64(Fraction(amax) / _NVFP4_RANGE)
+    if g >= _FLT_MAX:  # float64 input beyond 2688 * float32's max (float32 input never gets here)
+        return _FLT_MAX
+    return max(float(np.float32(g)), 2.0**-149)
+
+
+def _round_quotient(num: np.ndarray, den: np.ndarray, fmt: FloatFormat, mode: int, seed: int) -> np.ndarray:
+    """``num / den`` rounded once onto ``fmt`` (saturating), through the float64 quotient ``t``.
+
+    Exact for nearest: ``t`` differs from the exact quotient only where that is not on ``fmt``'s
+    grid, and can land on a grid midpoint ``m`` only if ``num == m * den``. (``m * den`` is a float64
+    here, as ``m`` has at most 5 significant bits and ``den`` 28; any other float64 ``num`` is at
+    least one float64 step from it, which moves the quotient by more than half a step at ``m``.)
+    So ``t`` rounds like the exact quotient; ``benchmarks/blocks_reference.py`` checks it.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = num / den
+    return _quantize_array(t, fmt, mode, True, seed)
+
+
+def _values(axes, shape, elements, scales, g, dtype) -> np.ndarray:
+    """element * scale (* global scale) in float64 (exact), then one rounding to ``dtype``."""
+    s = _expand(scales, axes, shape, elements.shape)
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = elements * s
+        if g is not None:
+            v = v * g
+        v = np.where(np.isnan(s), np.nan, v)
+        return v.astype(dtype)
+
+
+def _block_amax(a: np.ndarray, axes: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """max over each block (NaN if the block holds NaN), in the scales' layout; zero padded."""
+    moved = np.moveaxis(a, axes, range(a.ndim - len(axes), a.ndim))
+    lead = moved.shape[: a.ndim - len(axes)]
+    sizes = moved.shape[a.ndim - len(axes) :]
+    counts = [-(-n // b) for n, b in zip(sizes, shape)]
+    pad = [(0, 0)] * len(lead) + [(0, c * b - n) for n, b, c in zip(sizes, shape, counts)]
+    if any(p[1] for p in pad):
+        moved = np.pad(moved, pad)
+    split = list(lead)
+    for c, b in zip(counts, shape):
+        split += [c, b]
+    blocked = moved.reshape(split)
+    amax = blocked.max(axis=tuple(len(lead) + 2 * i + 1 for i in range(len(shape))), initial=0.0)  # NaN wins
+    return np.moveaxis(amax, range(a.ndim - len(axes), a.ndim), axes)
+
+
+def _expand(per_block: np.ndarray, axes, shape, full: tuple[int, ...]) -> np.ndarray:
+    """Repeat each block's entry over its elements: the scales' layout -> x's layout."""
+    out = per_block
+    for a, b in zip(axes, shape):
+        out = np.repeat(out, b, axis=a)
+        if out.shape[a] != full[a]:
+            out = out.take(np.arange(full[a]), axis=a)
+    return out
+
+
+# -- argument checking ----------------------------------------------------------------------------
+def _block_format(fmt) -> BlockFormat:
+    key = fmt.strip().lower().replace("-", "_") if isinstance(fmt, str) else None
+    if key not in BLOCK_FORMATS:
+        raise invalid("block format", fmt, list(BLOCK_FORMATS))
+    return BLOCK_FORMATS[key]
+
+
+def _scale_rule(bf: BlockFormat, rule) -> str | None:
+    if not bf.rules:
+        if rule is not None:
+            raise PolyampError(
+                f"{bf.name} has one scale rule (s_block = amax_block / 6 / s_global in e4m3fn), got "
+                f"scale_rule={rule!r}; accepted: None (scale rules {', '.join(SCALE_RULES)} are for MX)"
+            )
+        return None
+    if rule is None:
+        return bf.default_rule
+    key = rule.strip().lower() if isinstance(rule, str) else rule
+    if key not in bf.rules:
+        raise invalid("scale rule", rule, bf.rules)
+    return key
+
+
+def _block_shape(bf: BlockFormat, block) -> tuple[int, ...]:
+    if block is None:
+        return (bf.block,)
+    shape = (block,) if isinstance(block, (int, np.integer)) else block
+    ok = isinstance(shape, (tuple, list)) and all(
+        isinstance(b, (int, np.integer)) and not isinstance(b, (bool, np.bool_)) for b in shape
+    )
+    if ok and tuple(int(b) for b in shape) in bf.blocks:
+        return tuple(int(b) for b in shape)
+    accepted = " or ".join(str(b[0]) if len(b) == 1 else str(b) for b in bf.blocks)
+    raise PolyampError(
+        f"block {block!r} does not match {bf.name}; accepted: {accepted} (or None). The block size is "
+        "part of the format"
+    )
+
+
+def _axes(axis, ndim: int, count: int) -> tuple[int, ...]:
+    def one(a) -> int:
+        if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)) or not -ndim <= a < ndim:
+            raise PolyampError(
+                f"axis {axis!r} is not an axis of a {ndim}-d array; accepted: integers in [{-ndim}, {ndim})"
+                + (" (a 0-d input has no axis to block along)" if ndim == 0 else "")
+            )
+        return int(a) % ndim
+
+    if count == 1:
+        return (one(axis),)
+    pair = (-2, -1) if (isinstance(axis, (int, np.integer)) and axis == -1) else axis
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or ndim < 2:
+        raise PolyampError(
+            f"16x16 blocks tile two axes; got axis={axis!r} for a {ndim}-d array; accepted: a pair of "
+            "distinct axes such as (-2, -1) (the default), on an array of 2 or more dimensions"
+        )
+    axes = (one(pair[0]), one(pair[1]))
+    if axes[0] == axes[1]:
+        raise PolyampError(f"16x16 blocks tile two distinct axes, got axis={axis!r}")
+    return axes
+
+
+def _input(x) -> np.ndarray:
+    if type(x).__module__.split(".")[0] in ("torch", "tensorflow", "jax", "jaxlib", "mxnet"):
+        raise PolyampError(
+            f"quantize_blocks takes numpy arrays, got a {type(x).__module__}.{type(x).__name__}; "
+            "convert it with np.asarray (or .numpy()) first"
+        )
+    return _as_float_array(x)

@@ -1,0 +1,257 @@
+"""``quantize`` and ``quantize_blocks`` on PyTorch tensors, in PyTorch ops, bit-identical to the core.
+
+``polyamp.quantize`` / ``polyamp.quantize_blocks`` call these for a torch tensor; they take and give
+the same arguments and values as ``polyamp.numerics.rounding`` / ``blocks`` (read those docstrings
+for the rules), on any device, with no host round trip.
+
+Scalar rounding, elementwise in float64 (every float16/bfloat16/float32 value converts exactly, and
+float64 input is rounded from its own value), as the core's compiled kernel does it:
+
+1. ``e`` = the biased float64 exponent field of ``a = |x|``, clamped to the format's
+   ``[emin, emax + 1]``; the spacing ``q = 2^(e - 1023 - mbits)`` and ``1/q`` are built from
+   exponent bits, so ``t = a / q`` is an exact multiply;
+2. nearest: ``round(t)`` (ties to even); toward zero: ``floor(t)``; stochastic: ``floor(t) + 1`` when
+   ``u < t - floor(t)``, with ``u`` the core's splitmix64 stream of (seed, flat element index) in
+   int64 arithmetic (wrapping multiplies; logical shifts are arithmetic shifts then a mask), so
+   the same seed gives the same bits as numpy;
+3. overflow, inf, NaN, the sign, -0 and the unsigned / zero-less formats as the core's
+   ``_quantize_numpy``; the result dtype is the core's (``_result_dtype``).
+
+Block formats follow ``blocks.py`` step for step in float64 tensors: block amax (zero padded, NaN
+wins), the MX scale exponent from exponent bits (the rules compared on ``k`` clamped to [-128, 127],
+where the final clamp to [-127, 127] already decides the rest), NVFP4's float32 global scale (float64
+quotient then float32: for a float32 amax that quotient never sits on a float32 midpoint, so it rounds
+as the exact one; float64 input uses the core's exact host computation, one ``.item()``), the
+element rounding above indexed by position in ``x``, then ``element * scale (* global)`` rounded once
+to the result dtype. No Python branch depends on the data (except that ``.item()``): both compile
+with ``torch.compile(fullgraph=True)`` (TorchScript cannot trace them: it has no ``view(dtype)``).
+The result never requires grad. float64 is needed on the device (MPS has none).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import PolyampError
+from ..numerics import blocks as _blocks
+from ..numerics.formats import FloatFormat, get_format
+from ..numerics.rounding import _MODE, _flag, _mix, _result_dtype, _rounding, _seed
+
+_NUMPY = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+          torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}  # fmt: skip
+_TORCH = {v: k for k, v in _NUMPY.items()}
+_U64 = 1 << 64
+# splitmix64's constants as int64 (two's complement)
+_GOLDEN, _M1, _M2 = (c - _U64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_CHUNK = 1 << 16
+
+
+def accepts(x) -> bool:
+    """Whether ``x`` is a tensor this module quantizes (the core's dispatch asks)."""
+    return isinstance(x, torch.Tensor)
+
+
+def quantize(x: torch.Tensor, fmt, rounding: str = "nearest", saturate: bool = False,
+             seed: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``polyamp.quantize`` for a torch tensor: same values, bits and dtype rule, on ``x``'s device."""
+    fmt = get_format(fmt)
+    mode = _rounding(rounding)
+    saturate = _flag(saturate, "saturate")
+    if mode == _MODE["stochastic"]:
+        seed = _seed(seed)
+    elif seed is not None:
+        _seed(seed)
+    x = _input(x, "quantize")
+    out = _round(x.to(torch.float64), fmt, mode, saturate, seed or 0)
+    return out.to(_TORCH[_result_dtype(_NUMPY[x.dtype], fmt)])
+
+
+def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
+                    rounding: str = "nearest", seed: int | None = None) -> torch.Tensor:  # fmt: skip
+    """``polyamp.quantize_blocks`` for a torch tensor: same values and bits, float32 unless x is float64."""
+    bf = _blocks._block_format(fmt)
+    mode = _rounding(rounding)
+    if mode not in (_MODE["nearest"], _MODE["stochastic"]):
+        raise PolyampError(f"block formats round 'nearest' or 'stochastic', got rounding={rounding!r}")
+    if mode == _MODE["stochastic"]:
+        seed = _seed(seed)
+    elif seed is not None:
+        _seed(seed)
+    rule = _blocks._scale_rule(bf, scale_rule)
+    x = _input(x, "quantize_blocks")
+    shape = _blocks._block_shape(bf, block)
+    axes = _blocks._axes(axis, x.ndim, len(shape))
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x64 = x.to(torch.float64)
+    a = x64.abs()
+    amax = _block_amax(a, axes, shape)
+    bad = ~torch.isfinite(amax)  # NaN / inf blocks: scale NaN, elements 0
+    amax = torch.where(bad, 0.0, amax)
+    x64 = torch.where(_expand(bad, axes, shape, x64.shape), 0.0, x64)
+    seed = seed or 0
+    g = None
+    if bf.scale.name == "e8m0fnu":
+        k = _mx_exponent(amax, bf.element, rule)
+        scales = _pow2(k)
+        scaled = x64 * _pow2(-_expand(k, axes, shape, x64.shape))
+        elements = _round(scaled, bf.element, mode, True, seed)
+    else:
+        g = _nvfp4_global(a, x.dtype)
+        scales = _round(amax / (bf.element.max * g), bf.scale, _MODE["nearest"], True, 0)
+        den = _expand(scales, axes, shape, x64.shape) * g
+        zero = den == 0  # s_block rounded to 0: the block holds +-0
+        x64 = torch.where(zero, torch.copysign(torch.zeros_like(x64), x64), x64)
+        den = torch.where(zero, 1.0, den)
+        elements = _round(x64 / den, bf.element, mode, True, seed)
+    scales = torch.where(bad, torch.nan, scales)
+    s = _expand(scales, axes, shape, elements.shape)
+    v = elements * s
+    if g is not None:
+        v = v * g
+    return torch.where(torch.isnan(s), torch.nan, v).to(dtype)
+
+
+# -- scalar rounding ------------------------------------------------------------------------------
+def _round(v: torch.Tensor, fmt: FloatFormat, mode: int, saturate: bool, seed: int) -> torch.Tensor:
+    """float64 ``v`` rounded onto ``fmt`` (module docstring), float64 out; stochastic: by flat index.
+
+    Eager on CPU, a large tensor goes in chunks of ``_CHUNK`` elements, so that the temporaries stay
+    small and are reused (one pass over 16M float64 elements otherwise spends most of its time
+    faulting in fresh pages); compiled or on an accelerator it is one fused expression.
+    """
+    n = v.numel()
+    if n <= _CHUNK or v.device.type != "cpu" or torch.compiler.is_compiling():
+        return _round_flat(v, fmt, mode, saturate, seed, 0)
+    flat = v.reshape(-1)
+    out = torch.empty_like(flat)
+    for i in range(0, n, _CHUNK):
+        out[i : i + _CHUNK] = _round_flat(flat[i : i + _CHUNK], fmt, mode, saturate, seed, i)
+    return out.view(v.shape)
+
+
+def _round_flat(v: torch.Tensor, fmt: FloatFormat, mode: int, saturate: bool, seed: int,
+                offset: int) -> torch.Tensor:  # fmt: skip
+    """``_round`` of ``v``, whose first element has flat index ``offset`` in the stochastic stream."""
+    overflow = fmt.max if (saturate or fmt.saturates_always) else (torch.inf if fmt.has_inf else torch.nan)
+    maxval, mbits = float(fmt.max), fmt.mbits
+    a = v.abs()
+    e = (a.view(torch.int64) >> 52).clamp_(fmt.emin + 1023, fmt.emax + 1 + 1023)
+    t = torch.sub(2046 + mbits, e).bitwise_left_shift_(52).view(torch.float64).mul_(a)  # a / q, exact
+    q = e.sub_(mbits).bitwise_left_shift_(52).view(torch.float64)
+    if mode == _MODE["nearest"]:
+        r = t.round_().mul_(q)  # half to even
+        r.masked_fill_(r > maxval, overflow)  # rounded past max
+    elif mode == _MODE["toward_zero"]:
+        r = t.floor_().mul_(q)
+        r.masked_fill_(r > maxval, maxval)
+    else:
+        past = torch.round(t).mul_(q) > maxval  # nearest would overflow
+        f = torch.floor(t)
+        up = _uniform53(_mix(seed), v.numel(), v.device, offset).view(v.shape) < t.sub_(f)
+        r = f.add_(up).mul_(q)
+        r = torch.where(r > maxval, torch.where(past, overflow, maxval), r)
+    r.masked_fill_(a == torch.inf, overflow)
+    r.masked_fill_(torch.isnan(a), torch.nan)
+    r.copysign_(v)
+    if not fmt.has_negative_zero:
+        r.masked_fill_(r == 0, 0.0)
+    if not fmt.signed:
+        r.masked_fill_(v < 0, torch.nan)
+    if not fmt.subnormals:
+        r = torch.where(a == 0, torch.nan, torch.where((a > 0) & (r == 0), fmt.min_normal, r))
+    return r
+
+
+def _uniform53(key: int, n: int, device, offset: int = 0) -> torch.Tensor:
+    """The core's ``_uniform53`` of indices offset..offset+n-1 in int64: splitmix64(key + (i+1)*golden)
+    >> 11, times 2^-53 (int64 multiplies wrap as uint64's do)."""
+    i = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64, device=device)
+    z = i * _GOLDEN + (key - _U64 * (key >> 63))
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).to(torch.float64) * 2.0**-53
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k in float64 from exponent bits, for integer ``k`` in [-1022, 1023]."""
+    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+# -- block formats --------------------------------------------------------------------------------
+def _mx_exponent(amax: torch.Tensor, elem: FloatFormat, rule: str) -> torch.Tensor:
+    """The E8M0 exponent per block (``blocks._mx_exponent``), int64; ``amax`` finite, >= 0."""
+    e = (amax.view(torch.int64) >> 52) - 1023  # floor(log2 amax) for normal amax; tiny ones clamp below
+    k = (e - elem.emax).clamp(-128, 127)  # outside, the final clamp decides whatever the rule adds
+    e = k + elem.emax
+    if rule == "rceil":
+        k = k + (amax > elem.max * _pow2(k)).to(torch.int64)
+    elif rule == "ceil":
+        k = k + (amax > _pow2(e)).to(torch.int64)
+    elif rule == "even":
+        k = k + (amax >= (2.0 - 2.0 ** -(elem.mbits + 1)) * _pow2(e)).to(torch.int64)
+    return torch.where(amax == 0, -127, k).clamp(-127, 127)
+
+
+def _nvfp4_global(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32(amax / 2688) over the finite elements as a 0-d float64 tensor; 1 without one."""
+    finite = torch.where(torch.isfinite(a), a, 0.0)
+    amax = finite.amax() if a.numel() else torch.zeros((), dtype=torch.float64, device=a.device)
+    if dtype == torch.float64:  # a 53-bit amax needs the exact quotient: the core's, on the host
+        g = _blocks._nvfp4_global(np.array([amax.item()]))
+        return torch.tensor(g, dtype=torch.float64, device=a.device)
+    g = (amax / _blocks._NVFP4_RANGE).to(torch.float32).to(torch.float64).clamp(min=2.0**-149)
+    return torch.where(amax == 0, 1.0, g)
+
+
+def _block_amax(a: torch.Tensor, axes: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """max |x| over each block (NaN wins), in the scales' layout; a partial block is zero padded."""
+    nb = len(axes)
+    lead = a.ndim - nb
+    moved = torch.movedim(a, axes, tuple(range(lead, a.ndim)))
+    sizes = moved.shape[lead:]
+    counts = [-(-n // b) for n, b in zip(sizes, shape)]
+    pad = []
+    for n, b, c in reversed(list(zip(sizes, shape, counts))):
+        pad += [0, c * b - n]
+    if any(pad):
+        moved = F.pad(moved, pad)
+    split = list(moved.shape[:lead])
+    for c, b in zip(counts, shape):
+        split += [c, b]
+    blocked = moved.reshape(split)
+    dims = tuple(lead + 2 * i + 1 for i in range(nb))
+    amax = blocked.amax(dim=dims) if blocked.numel() else blocked.sum(dim=dims)
+    return torch.movedim(amax, tuple(range(lead, a.ndim)), axes)
+
+
+def _expand(per_block: torch.Tensor, axes, shape, full) -> torch.Tensor:
+    """Each block's entry repeated over its elements: the scales' layout -> x's layout."""
+    out = per_block
+    for ax, b in zip(axes, shape):
+        index = torch.arange(full[ax], device=out.device) // b
+        out = out.index_select(ax, index)
+    return out
+
+
+# -- argument checking ----------------------------------------------------------------------------
+def _input(x, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise PolyampError(f"{name} takes a torch.Tensor here, got {type(x).__name__}")
+    if x.dtype not in _NUMPY:
+        raise PolyampError(
+            f"expected a floating-point tensor, got dtype {x.dtype}; accepted: torch.float16, "
+            "torch.bfloat16, torch.float32, torch.float64"
+        )
+    return x.detach()
+
+
+__all__ = ["accepts", "quantize", "quantize_blocks"]
