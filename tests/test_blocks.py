@@ -377,7 +377,7 @@ def test_non_float_input(x, message):
 
 def test_framework_tensors_are_refused_by_name():
     fake = type("Tensor", (), {"__module__": "torch"})()
-    with pytest.raises(PolyampError, match=r"quantize_blocks takes numpy arrays, got a torch.Tensor"):
+    with pytest.raises(PolyampError, match=r"quantize_blocks takes numpy arrays, .* got a torch.Tensor"):
         quantize_blocks(fake, "mxfp4")
 
 

@@ -252,8 +252,8 @@ def _as_float_array(x) -> np.ndarray:
         return np.asarray(exact_float64(x), dtype=np.float64)
     if type(x).__module__.split(".")[0] in ("torch", "tensorflow", "jax", "jaxlib", "mxnet"):
         raise PolyampError(
-            f"quantize takes numpy arrays, got a {type(x).__module__}.{type(x).__name__}; "
-            "convert it with np.asarray (or .numpy()) first"
+            f"quantize takes numpy arrays, torch tensors and JAX arrays, got a {type(x).__module__}."
+            f"{type(x).__name__} (no kernel for it yet); convert it with np.asarray (or .numpy()) first"
         )
     try:
         arr = np.asarray(x)
