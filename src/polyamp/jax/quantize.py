@@ -98,15 +98,7 @@ def _check_size(x, mode) -> None:
 def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
                     rounding: str = "nearest", seed: int | None = None):  # fmt: skip
     """``polyamp.quantize_blocks`` for a JAX array: same values and bits, float32 unless x is float64."""
-    bf = _blocks._block_format(fmt)
-    mode = _rounding(rounding)
-    if mode not in (_NEAREST, _STOCHASTIC):
-        raise PolyampError(f"block formats round 'nearest' or 'stochastic', got rounding={rounding!r}")
-    if mode == _STOCHASTIC:
-        seed = _seed(seed)
-    elif seed is not None:
-        _seed(seed)
-    rule = _blocks._scale_rule(bf, scale_rule)
+    bf, mode, seed, rule = _blocks.arguments(fmt, scale_rule, rounding, seed)
     x = _input(x, "quantize_blocks")
     _check_size(x, mode)
     shape = _blocks._block_shape(bf, block)

@@ -224,15 +224,7 @@ class _Encoding:
 
     @classmethod
     def of(cls, x, fmt, axis, block, scale_rule, rounding, seed) -> _Encoding:
-        bf = _block_format(fmt)
-        mode = _rounding(rounding)
-        if mode not in (_MODE["nearest"], _MODE["stochastic"]):
-            raise PolyampError(f"block formats round 'nearest' or 'stochastic', got rounding={rounding!r}")
-        if mode == _MODE["stochastic"]:
-            seed = _seed(seed)
-        elif seed is not None:
-            _seed(seed)  # validated even when unused, as quantize does
-        rule = _scale_rule(bf, scale_rule)
+        bf, mode, seed, rule = arguments(fmt, scale_rule, rounding, seed)
         arr = _input(x)
         shape = _block_shape(bf, block)
         axes = _axes(axis, arr.ndim, len(shape))
@@ -345,6 +337,20 @@ def _expand(per_block: np.ndarray, axes, shape, full: tuple[int, ...]) -> np.nda
 
 
 # -- argument checking ----------------------------------------------------------------------------
+def arguments(fmt, scale_rule, rounding, seed) -> tuple[BlockFormat, int, int | None, str | None]:
+    """The block format, rounding mode, seed and scale rule of a call, validated (front ends' kernels
+    take the same)."""
+    bf = _block_format(fmt)
+    mode = _rounding(rounding)
+    if mode not in (_MODE["nearest"], _MODE["stochastic"]):
+        raise PolyampError(f"block formats round 'nearest' or 'stochastic', got rounding={rounding!r}")
+    if mode == _MODE["stochastic"]:
+        seed = _seed(seed)
+    elif seed is not None:
+        _seed(seed)  # validated even when unused, as quantize does
+    return bf, mode, seed, _scale_rule(bf, scale_rule)
+
+
 def _block_format(fmt) -> BlockFormat:
     key = fmt.strip().lower().replace("-", "_") if isinstance(fmt, str) else None
     if key not in BLOCK_FORMATS:

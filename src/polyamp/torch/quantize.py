@@ -72,15 +72,7 @@ def quantize(x: torch.Tensor, fmt, rounding: str = "nearest", saturate: bool = F
 def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
                     rounding: str = "nearest", seed: int | None = None) -> torch.Tensor:  # fmt: skip
     """``polyamp.quantize_blocks`` for a torch tensor: same values and bits, float32 unless x is float64."""
-    bf = _blocks._block_format(fmt)
-    mode = _rounding(rounding)
-    if mode not in (_MODE["nearest"], _MODE["stochastic"]):
-        raise PolyampError(f"block formats round 'nearest' or 'stochastic', got rounding={rounding!r}")
-    if mode == _MODE["stochastic"]:
-        seed = _seed(seed)
-    elif seed is not None:
-        _seed(seed)
-    rule = _blocks._scale_rule(bf, scale_rule)
+    bf, mode, seed, rule = _blocks.arguments(fmt, scale_rule, rounding, seed)
     x = _input(x, "quantize_blocks")
     shape = _blocks._block_shape(bf, block)
     axes = _blocks._axes(axis, x.ndim, len(shape))
