@@ -1,6 +1,6 @@
 """What the doctor's PyTorch taps cost: a plain float32 training step against ``collect`` of one step.
 
-    python benchmarks/doctor_overhead_torch.py [--workloads mlp,charlm] [--repeats 7] [--quick]
+    python benchmarks/doctor_overhead_torch.py [--workloads mlp,charlm] [--repeats 7] [--quick] [--device cpu]
 
 The compare workloads' torch networks (``polyamp.compare.torch``: same weights, batch 0, fused Adam as
 compare trains them). Cases, each against the plain step (zero_grad, forward, loss, backward, optimizer step):
@@ -9,7 +9,8 @@ compare trains them). Cases, each against the plain step (zero_grad, forward, lo
 - ``collect(...)``: no optimizer, so no update ratios and no snapshot of parameters or optimizer state;
 - ``collect(..., steps=4, optimizer=opt)`` divided by 4: a tapped step with the snapshot spread over 4 steps.
 Contenders alternate in rotating rounds in one process; medians after one warm-up call each, and the median
-of the per-round ratios. The issue's budget: 1.5x.
+of the per-round ratios. The issue's budget: 1.5x. ``--device cuda``: model and batch on a GPU, every
+contender ends with ``torch.cuda.synchronize()``.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ def loss_of(kind: str):
     return lambda out, y: nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def setup(name: str, quick: bool):
+def setup(name: str, quick: bool, device: str):
     wl = get_workload(name, quick=quick)
     torch.manual_seed(wl.seed)
-    model = NETWORKS[wl.architecture](wl)
+    model = NETWORKS[wl.architecture](wl).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=wl.lr, fused=True)
-    x, y = (torch.from_numpy(a) for a in wl.batch_at(0))
+    x, y = (torch.from_numpy(a).to(device) for a in wl.batch_at(0))
     return model, opt, (x, y), loss_of(wl.loss_kind)
 
 
@@ -47,26 +48,34 @@ def main() -> None:
     parser.add_argument("--workloads", default="mlp,charlm")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="the workloads' tiny sizes (a smoke run)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, fused Adam")
+    cuda = args.device.startswith("cuda")
+    where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {args.device} ({where}), float32, fused Adam")
     print(f"{'workload':8s} {'case':34s} {'plain ms':>10s} {'tapped ms':>11s} {'ratio':>7s} {'paired':>7s}")
     for name in args.workloads.split(","):
-        measure(name, args.quick, args.repeats)
+        measure(name, args.quick, args.repeats, args.device)
 
 
-def measure(name: str, quick: bool, repeats: int) -> None:
-    model, opt, batch, loss_fn = setup(name, quick)
+def measure(name: str, quick: bool, repeats: int, device: str) -> None:
+    model, opt, batch, loss_fn = setup(name, quick, device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def plain():
         opt.zero_grad(set_to_none=True)
         loss_fn(model(batch[0]), batch[1]).backward()
         opt.step()
 
+    def synced(fn):
+        return lambda: (fn(), sync())
+
     runs = run_paired({
-        "plain": plain,
-        "collect, with optimizer": lambda: collect(model, batch, loss_fn, optimizer=opt),
-        "collect, no optimizer": lambda: collect(model, batch, loss_fn),
-        "collect steps=4 optimizer, /4": lambda: collect(model, batch, loss_fn, steps=4, optimizer=opt),
+        "plain": synced(plain),
+        "collect, with optimizer": synced(lambda: collect(model, batch, loss_fn, optimizer=opt)),
+        "collect, no optimizer": synced(lambda: collect(model, batch, loss_fn)),
+        "collect steps=4 optimizer, /4": synced(
+            lambda: collect(model, batch, loss_fn, steps=4, optimizer=opt)),
     }, repeats)  # fmt: skip
     median, rounds = runs["collect steps=4 optimizer, /4"]
     runs["collect steps=4 optimizer, /4"] = (median / 4, [t / 4 for t in rounds])

@@ -1,12 +1,14 @@
 """The doctor's predictions against real PyTorch runs (issue 14, must-show 2, 3, 4).
 
     python benchmarks/doctor_proofs_torch.py [--only overflow,loss_scale,lost_updates] [--quick] [--json]
+                                             [--device cpu|cuda]
 
 Each check builds a small model, asks ``polyamp.doctor`` (one float32 step), then trains as told and
 compares. Prints each check's figures (``--json``: one JSON object instead); exits 1 if a claim fails.
 ``--quick`` is the tests' size (tests/test_doctor_proofs.py). fp16 runs use polyamp's torch front end
 (``MixedPrecision("fp16-mixed", ...)``, autocast on the CPU) with Adam, kept small: torch's CPU fp16 matmuls
-are slow.
+are slow. ``--device cuda`` runs every model and batch on a GPU (the same weights and data: both are made
+on the CPU and moved), where fp16 autocast runs at speed.
 
 overflow: an MLP ``fc1 -> act1 -> big -> norm -> act2 -> head`` whose ``big`` Linear has its weights
 multiplied by ``BIG_GAIN``: its output runs far past fp16's 65504 while its weights fit, and the LayerNorm
@@ -82,6 +84,9 @@ SIZES = {  # full, quick: (steps, width, batch)
 LRS = ((1e-3, 1e-2, 1e-1, 1.0, 10.0), (1e-2, 10.0))  # SGD learning rates, full and quick, small to large
 
 
+DEVICE = "cpu"  # --device
+
+
 # -- helpers -----------------------------------------------------------------------------------------
 def mlp(sizes, seed: int) -> nn.Sequential:
     """Linear layers of ``sizes`` with ReLU between them, named ``fc1, act1, fc2, ...``."""
@@ -91,7 +96,7 @@ def mlp(sizes, seed: int) -> nn.Sequential:
         layers.append((f"fc{i}", nn.Linear(a, b)))
         if i < len(sizes) - 1:
             layers.append((f"act{i}", nn.ReLU()))
-    return nn.Sequential(OrderedDict(layers))
+    return nn.Sequential(OrderedDict(layers)).to(DEVICE)
 
 
 def batches(n: int, batch: int, d_in: int, seed: int, teacher: nn.Module, classes: bool):
@@ -100,7 +105,7 @@ def batches(n: int, batch: int, d_in: int, seed: int, teacher: nn.Module, classe
     out = []
     with torch.no_grad():
         for _ in range(n):
-            x = torch.randn(batch, d_in, generator=g)
+            x = torch.randn(batch, d_in, generator=g).to(DEVICE)
             y = teacher(x)
             out.append((x, y.argmax(-1) if classes else y))
     return out
@@ -110,7 +115,8 @@ def train_fp16(model, data, loss_fn, *, loss_scale=None, keep_fp32=(), lr=1e-3, 
     """fp16-mixed training with Adam through polyamp's torch front end, one batch per step: the steps
     skipped, the loss per step, the first non-finite origin, the NonFiniteError message if one stopped it."""
     mp = polyamp.MixedPrecision(
-        "fp16-mixed", framework="torch", device="cpu", loss_scale=loss_scale, keep_fp32=keep_fp32, debug=debug
+        "fp16-mixed", framework="torch", device=DEVICE, loss_scale=loss_scale, keep_fp32=keep_fp32,
+        debug=debug,
     )
     mp.watch(model)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -166,7 +172,7 @@ def overflow(quick: bool = False) -> dict:
         )
         with torch.no_grad():
             m.big.weight.mul_(BIG_GAIN)
-        return m
+        return m.to(DEVICE)
 
     model = model_at(0)
     data = batches(steps, batch, d_in, 1, mlp([d_in, 32, classes], seed=2), classes=True)
@@ -455,13 +461,18 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=",".join(CHECKS), help="checks to run, comma-separated")
     parser.add_argument("--quick", action="store_true", help="the tests' small sizes")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (fp16 at speed on a GPU)")
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
         parser.error(f"unknown check {unknown[0]!r}; accepted: {', '.join(CHECKS)}")
     if not args.json:
-        print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+        cuda = DEVICE.startswith("cuda")
+        where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads, CPU"
+        print(f"torch {torch.__version__}, {where}")
     results = {}
     for name in names:
         start = time.perf_counter()
@@ -471,7 +482,8 @@ def main(argv=None) -> int:
             show(name, results[name])
     failed = [f"{n}: {c}" for n, r in results.items() for c, ok in r["claims"].items() if not ok]
     if args.json:
-        print(json.dumps({"torch": torch.__version__, "quick": args.quick, "results": results}, indent=1))
+        out = {"torch": torch.__version__, "device": DEVICE, "quick": args.quick, "results": results}
+        print(json.dumps(out, indent=1))
     elif failed:
         print("\nFAILED: " + "; ".join(failed))
     else:

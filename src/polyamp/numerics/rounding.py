@@ -119,16 +119,22 @@ def _quantize_array(arr: np.ndarray, fmt: FloatFormat, mode: int, saturate: bool
 
 
 def _result_dtype(dtype: np.dtype, fmt: FloatFormat) -> np.dtype:
-    """``dtype`` when it holds every value of ``fmt`` (float32 and float64 always do), else float32.
+    """``dtype`` when it holds every value of ``fmt`` (float32 and float64 always do), else float32."""
+    name = _result_name(dtype.name, fmt)
+    return dtype if name == dtype.name else np.dtype(name)
+
+
+def _result_name(name: str, fmt: FloatFormat) -> str:
+    """:func:`_result_dtype` by dtype name (for front ends whose traced code must not touch numpy).
 
     A 16-bit dtype (an ieee format with subnormals) holds ``fmt`` when ``fmt`` has no more mantissa
     bits, no larger max and no finer spacing at the bottom of its range.
     """
-    own = {"float16": FORMATS["fp16"], "bfloat16": FORMATS["bf16"]}.get(dtype.name)
+    own = {"float16": FORMATS["fp16"], "bfloat16": FORMATS["bf16"]}.get(name)
     if own is None:
-        return dtype
+        return name
     holds = fmt.mbits <= own.mbits and fmt.max <= own.max and fmt.emin - fmt.mbits >= own.emin - own.mbits
-    return dtype if holds else np.dtype(np.float32)
+    return name if holds else "float32"
 
 
 @lru_cache(maxsize=64)

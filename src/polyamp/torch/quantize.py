@@ -15,7 +15,7 @@ float64 input is rounded from its own value), as the core's compiled kernel does
    int64 arithmetic (wrapping multiplies; logical shifts are arithmetic shifts then a mask), so
    the same seed gives the same bits as numpy;
 3. overflow, inf, NaN, the sign, -0 and the unsigned / zero-less formats as the core's
-   ``_quantize_numpy``; the result dtype is the core's (``_result_dtype``).
+   ``_quantize_numpy``; the result dtype is the core's (``_result_name``).
 
 Block formats follow ``blocks.py`` step for step in float64 tensors: block amax (zero padded, NaN
 wins), the MX scale exponent from exponent bits (the rules compared on ``k`` clamped to [-128, 127],
@@ -30,7 +30,6 @@ The result never requires grad. float64 is needed on the device (MPS has none).
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -38,11 +37,12 @@ import torch.nn.functional as F
 from ..errors import PolyampError
 from ..numerics import blocks as _blocks
 from ..numerics.formats import FloatFormat, get_format
-from ..numerics.rounding import _MODE, _flag, _mix, _result_dtype, _rounding, _seed
+from ..numerics.rounding import _MODE, _flag, _mix, _result_name, _rounding, _seed
 
-_NUMPY = {torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-          torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}  # fmt: skip
-_TORCH = {v: k for k, v in _NUMPY.items()}
+# by name: torch.compile (2.11) cannot trace a dict keyed by numpy dtypes
+_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+          torch.float64: "float64"}  # fmt: skip
+_TORCH = {v: k for k, v in _NAMES.items()}
 _U64 = 1 << 64
 # splitmix64's constants as int64 (two's complement)
 _GOLDEN, _M1, _M2 = (c - _U64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
@@ -66,7 +66,7 @@ def quantize(x: torch.Tensor, fmt, rounding: str = "nearest", saturate: bool = F
         _seed(seed)
     x = _input(x, "quantize")
     out = _round(x.to(torch.float64), fmt, mode, saturate, seed or 0)
-    return out.to(_TORCH[_result_dtype(_NUMPY[x.dtype], fmt)])
+    return out.to(_TORCH[_result_name(_NAMES[x.dtype], fmt)])
 
 
 def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
@@ -238,7 +238,7 @@ def _expand(per_block: torch.Tensor, axes, shape, full) -> torch.Tensor:
 def _input(x, name: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise PolyampError(f"{name} takes a torch.Tensor here, got {type(x).__name__}")
-    if x.dtype not in _NUMPY:
+    if x.dtype not in _NAMES:
         raise PolyampError(
             f"expected a floating-point tensor, got dtype {x.dtype}; accepted: torch.float16, "
             "torch.bfloat16, torch.float32, torch.float64"
