@@ -2,6 +2,7 @@
 
 import copy
 import math
+import os
 
 import ml_dtypes
 import numpy as np
@@ -46,9 +47,26 @@ def wide(n, dtype, seed):
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
+@pytest.fixture(params=["torch ops", "compiled", "device ops"])
+def path(request, monkeypatch):
+    """Bin CPU tensors with torch ops, with the compiled kernel (``doctor/_bin_kernel.py``) from one
+    element on, or as an accelerator's tensors are (no host read until the end): the same results."""
+    if request.param == "torch ops":
+        monkeypatch.setattr(torch_binning, "_COMPILED_MIN", 1 << 62)
+    elif request.param == "device ops":
+        monkeypatch.setattr(torch_binning, "_on_accelerator", lambda x: True)
+    else:
+        if torch_binning._kernel_module() is None:
+            if os.environ.get("POLYAMP_REQUIRE_NUMBA") == "1":
+                pytest.fail("numba is installed by the Makefile but the binning kernel did not load")
+            pytest.skip("numba is not installed in this environment")
+        monkeypatch.setattr(torch_binning, "_COMPILED_MIN", 1)
+    return request.param
+
+
 # -- binning on the device equals the numpy core ---------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_histogram_equals_the_numpy_core(dtype):
+def test_histogram_equals_the_numpy_core(dtype, path):
     g = torch.Generator().manual_seed(0)
     x = wide(20000, dtype, seed=1)
     with_specials = x.clone()
@@ -69,7 +87,7 @@ def test_histogram_equals_the_numpy_core(dtype):
         assert histogram(t) == reference(t), (dtype, t.flatten()[:8])
 
 
-def test_float32_subnormals_zeros_and_extremes_are_binned_exactly():
+def test_float32_subnormals_zeros_and_extremes_are_binned_exactly(path):
     sub = torch.tensor([1e-45, 2.8e-45, 1e-40, -1.1e-38, 5e-39, 0.0, -0.0], dtype=torch.float32)
     h = histogram(sub)
     assert h == reference(sub)
@@ -79,7 +97,7 @@ def test_float32_subnormals_zeros_and_extremes_are_binned_exactly():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16], ids=str)
-def test_update_ratio_histogram_equals_the_numpy_core(dtype):
+def test_update_ratio_histogram_equals_the_numpy_core(dtype, path):
     g = torch.Generator().manual_seed(2)
     n = 6000
     w = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
@@ -101,10 +119,21 @@ def test_update_ratio_histogram_equals_the_numpy_core(dtype):
         ratio_histogram(u[:3], w[:4])
 
 
-def test_only_small_arrays_reach_the_host(monkeypatch):
-    """The taps move counts and a few scalars, never a whole tensor (CPU here; the same calls on CUDA)."""
-    seen = []
-    for name in ("cpu", "numpy", "tolist", "item"):
+def test_only_small_arrays_reach_the_host(monkeypatch, path):
+    """The taps move counts and a few scalars, never a whole tensor (CPU here; the same calls on CUDA).
+    The compiled kernel reads CPU tensors in place: the arrays it gets are views of torch's memory."""
+    seen, arrays = [], []
+    if path == "compiled":
+        kernel = torch_binning._kernel_module()
+        for name in ("values", "weight_and_ratio"):
+            original = getattr(kernel, name)
+
+            def recording(*args, _original=original):
+                arrays.extend(args)
+                return _original(*args)
+
+            monkeypatch.setattr(kernel, name, recording)
+    for name in ("cpu", "tolist", "item") if path != "torch ops" else ("cpu", "numpy", "tolist", "item"):
         original = getattr(torch.Tensor, name)
 
         def spy(self, *args, _original=original, **kwargs):
@@ -117,8 +146,14 @@ def test_only_small_arrays_reach_the_host(monkeypatch):
     x[0, 0] = 1e-40  # subnormals, zeros and inf take the other branches
     adam = torch.optim.Adam(model.parameters())
     collect(model, (x, torch.randn(256, 64)), nn.functional.mse_loss, optimizer=adam)
+    if path == "device ops":  # one read of every binning's vector (LENGTH int64 each), at the end
+        reads = [n for n in seen if n > 1]  # (Adam reads its step counts: one element each)
+        assert len(reads) == 1 and reads[0] % (N_BINS + 5) == 0
+        return
     histogram(torch.tensor([0.0, 1e-41, math.inf] * 5000))
     assert seen and max(seen) <= N_BINS < 64 * 128
+    if path == "compiled":
+        assert len(arrays) > 10 and not any(a.flags.owndata for a in arrays)
 
 
 # -- the fast paths: large tensors, threads, a few special elements ---------------------------------
@@ -157,7 +192,7 @@ def test_split_bincount_of_int16_lanes_equals_one_plain_bincount(threads):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_large_tensors_bin_exactly_with_few_or_many_special_values(dtype, threads):
+def test_large_tensors_bin_exactly_with_few_or_many_special_values(dtype, threads, path):
     x = wide(LARGE, dtype, seed=9)
     specials = special_values(dtype).tolist()
     few = [3, 70_000, 150_001, LARGE - 2]  # three rows and the tail
@@ -170,7 +205,7 @@ def test_large_tensors_bin_exactly_with_few_or_many_special_values(dtype, thread
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_large_tensors_of_normal_values_bin_exactly_from_their_high_halves(dtype, threads):
+def test_large_tensors_of_normal_values_bin_exactly_from_their_high_halves(dtype, threads, path):
     g = torch.Generator().manual_seed(13)
     x = (torch.randn(LARGE, generator=g) * 0.02).to(dtype)
     tail = x.clone()
@@ -197,7 +232,7 @@ def test_extremes_leave_the_magnitude_bits_as_they_were():
         assert torch.equal(a, kept)
 
 
-def test_update_ratios_with_few_or_many_special_elements_equal_the_core(threads):
+def test_update_ratios_with_few_or_many_special_elements_equal_the_core(threads, path):
     g = torch.Generator().manual_seed(11)
     n = LARGE
     w = torch.randn(n, generator=g) * 0.05
@@ -221,7 +256,7 @@ def test_update_ratios_with_few_or_many_special_elements_equal_the_core(threads)
 
 
 @pytest.mark.parametrize("spare", [False, True], ids=["scratch", "spare memory"])
-def test_fused_weight_and_update_histograms_equal_the_core(spare):
+def test_fused_weight_and_update_histograms_equal_the_core(spare, path):
     g = torch.Generator().manual_seed(12)
     before = torch.randn(512, 600, generator=g) * 0.05
     before[3, :7] = 0.0  # a few zero weights: apart
@@ -237,7 +272,25 @@ def test_fused_weight_and_update_histograms_equal_the_core(spare):
     assert update.apart == 7 and update.zeros >= 4
 
 
-def test_a_stepped_parameter_that_never_moves_has_only_zero_updates():
+def test_the_compiled_weight_and_ratio_pass_equals_the_core_on_every_kind_of_element():
+    """Zeros, subnormals, inf and NaN in the weight, in the step and in both; ratios past 2^128."""
+    if torch_binning._kernel_module() is None:
+        pytest.skip("numba is not installed in this environment")
+    specials = special_values(torch.float32)
+    for seed in range(3):
+        before = wide(40_000, torch.float32, seed=20 + seed)
+        step = wide(40_000, torch.float32, seed=30 + seed)
+        before[::53] = specials.repeat(80)[: before[::53].numel()]
+        step[::47] = specials.repeat(80)[: step[::47].numel()]
+        after = before + step
+        after[::101] = before[::101]  # lost updates
+        weight, ratio = torch_binning.weight_and_ratio(after, before)
+        want = update_ratio_histogram((after - before).numpy(), before.numpy())
+        assert torch_binning.merged([ratio]) == want and torch_binning.merged([weight]) == reference(before)
+        assert want.zeros and want.apart and want.nonfinite and want.counts[-1]
+
+
+def test_a_stepped_parameter_that_never_moves_has_only_zero_updates(path):
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     with torch.no_grad():
         model[0].bias[:3] = 0.0
@@ -368,7 +421,7 @@ def tiny():
     return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 4))
 
 
-def test_observations_equal_the_numpy_core_on_the_same_tensors_in_module_order():
+def test_observations_equal_the_numpy_core_on_the_same_tensors_in_module_order(path):
     model = tiny()
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)

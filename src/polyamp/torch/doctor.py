@@ -40,7 +40,7 @@ from ..doctor.taps import leaves as _leaves
 from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
-from .binning import Part, Scratch, binned, merged, ratio_binned, ratio_bits
+from .binning import Part, Scratch, binned, merged, ratio_binned, ratio_bits, settle, weight_and_ratio
 
 _MASK, _INF = 0x7FFFFFFF, 0x7F800000
 
@@ -108,6 +108,9 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
                 b.copy_(value)
         for m, training in modes:
             m.training = training
+    keys = list(found)  # on an accelerator: everything read back at once
+    flat = iter(settle([part for key in keys for part in found[key]]))
+    found = {key: [next(flat) for _ in found[key]] for key in keys}
     return [Observation(name, kind, merged(found[name, kind]))
             for name, _, _ in layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
 
@@ -173,9 +176,13 @@ class _WorkingCopies:
 
 
 def _update(p: torch.Tensor, before: torch.Tensor, scratch: Scratch, spare: tuple = ()):
-    """The histograms of ``before`` (``p``'s value before this step) and of this step's update ratio. The
-    update and the weight's exponent bits go into ``spare`` tensors (memory nothing reads any more: the
+    """The histograms of ``before`` (``p``'s value before this step) and of this step's update ratio: in
+    one pass of the compiled kernel where it applies (``weight_and_ratio``); else the update and the
+    weight's exponent bits go into ``spare`` tensors (memory nothing reads any more: the
     last step's gradient and working value) where they fit, else into scratch."""
+    both = weight_and_ratio(p, before)
+    if both is not None:
+        return both
     w = before.reshape(-1)
     n = w.numel()
     weight = binned(w, scratch)
