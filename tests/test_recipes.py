@@ -11,6 +11,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from frameworks import require
 
 from polyamp.errors import PolyampError
 from polyamp.numerics import quantize
@@ -289,3 +290,14 @@ def test_state_errors_shape():
     with pytest.raises(PolyampError, match="lacks"):
         ds.load_state_dict({"scale": 1.0})
     _loaded(history=[0.0, math.nan, math.inf])  # non-finite amaxes are valid history
+
+
+@pytest.mark.parametrize("framework", ["jax", "tensorflow", "mxnet"])
+def test_a_recipe_on_a_front_end_without_it_is_one_clear_error(framework):
+    """Recipes train in the torch front end so far: the others refuse one by name (each where its
+    framework is installed: .venv holds JAX and TensorFlow, .venv-mxnet MXNet)."""
+    require(framework)
+    import polyamp as pa
+
+    with pytest.raises(PolyampError, match="trains in polyamp's torch front end so far"):
+        pa.MixedPrecision("mxfp8", framework=framework)

@@ -20,6 +20,7 @@ from .errors import PolyampError
 from .frameworks import IDIOMS, canonical_framework, detect, front_end, imported_frameworks
 from .native import from_native, to_native
 from .policy import Policy
+from .recipes import BUILT_ON, RECIPES, Recipe, get_recipe
 from .scaling import PRESETS, DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale, check_loss_scale
 
 
@@ -40,6 +41,15 @@ def make_loss_scale(spec, policy: Policy):
         f"unknown loss_scale {spec!r}; accepted: None, 'dynamic', 'none', a preset name "
         f"({', '.join(map(repr, PRESETS))}), a number, or a loss-scale object (polyamp.scaling.LossScale)"
     )
+
+
+def recipe_of(policy: Any) -> Recipe | None:
+    """The training recipe ``policy`` names (``polyamp.recipes.RECIPES``, or a ``Recipe``), else None."""
+    if isinstance(policy, Recipe):
+        return policy
+    if isinstance(policy, str) and policy.strip().lower() in RECIPES:
+        return get_recipe(policy.strip().lower())
+    return None
 
 
 def check_keep_fp32(names: Any) -> tuple[str, ...]:
@@ -96,6 +106,10 @@ class MixedPrecision:
     ``process_group`` is the group whose ranks must agree on skipping (default: the world).
     ``guard=False`` turns the finite check off (only without loss scaling); ``debug=True``
     records where a NaN/inf first appears (after ``mp.watch(model)``).
+    ``policy`` may also name a low-precision training recipe (``"fp8-tensorwise"``, ``"fp8-delayed"``,
+    ``"mxfp8"``, ``"nvfp4"``, or a ``polyamp.recipes.Recipe``): the matmuls' operands are then
+    quantized as the recipe says and everything computes in its compute dtype (torch so far; after
+    ``mp.watch(model)``; ``mp.recipe`` holds it).
     ``keep_fp32`` names layers that compute in float32 under a 16-bit policy (``polyamp.doctor``'s
     recommendation): a name keeps the layer of that name and every layer below it ("blocks.2" keeps
     "blocks.2.fc"; see ``kept``). Torch, Keras and MXNet apply it at ``mp.watch(model)``, which
@@ -121,6 +135,10 @@ class MixedPrecision:
         if framework is not None and canonical_framework(framework) != self.framework:
             raise PolyampError(f"framework={framework!r}, but this is {type(self).__module__}'s "
                                f"MixedPrecision ({self.framework})")  # fmt: skip
+        self.recipe = recipe_of(policy)
+        if self.recipe is not None:  # the GEMMs' operands quantized; the rest computes as the policy
+            policy = "bf16-mixed" if self.recipe.compute_dtype == "bf16" else "float32"
+            self._check_recipe()
         self.policy = Policy.parse(policy)
         self.loss_scale = make_loss_scale(loss_scale, self.policy)
         for name, value in (("guard", guard), ("debug", debug)):
@@ -143,6 +161,15 @@ class MixedPrecision:
 
     def _setup(self) -> None:
         """The front end's own set-up, after the shared fields (validates the device)."""
+
+    def _check_recipe(self) -> None:
+        """PolyampError when this front end does not train with recipes yet."""
+        if self.framework is not None and self.framework not in BUILT_ON:
+            raise PolyampError(
+                f"the {self.recipe.name!r} recipe trains in polyamp's {', '.join(BUILT_ON)} front end so "
+                f"far, not in {self.framework}'s; accepted here: the 16-bit policies (bf16-mixed, "
+                "fp16-mixed, ...)"
+            )
 
     def _check_mine(self, obj: Any, what: str) -> None:
         """PolyampError unless ``obj`` is an object of this front end's framework."""
@@ -223,7 +250,8 @@ class MixedPrecision:
 
     def __repr__(self) -> str:
         keep = f", keep_fp32={self.keep_fp32!r}" if self.keep_fp32 else ""
-        return (f"MixedPrecision({self.policy.name!r}, framework={self.framework!r}, "
+        name = self.recipe.name if self.recipe is not None else self.policy.name
+        return (f"MixedPrecision({name!r}, framework={self.framework!r}, "
                 f"scale={self.current_scale:g}{keep})")  # fmt: skip
 
 
@@ -273,6 +301,8 @@ class _Unbound(MixedPrecision):
         cls = front_end(framework)
         state = self._state
         self.__class__ = cls
+        if self.recipe is not None:
+            self._check_recipe()
         self._setup()
         self.state = state  # a front end that keeps the state in framework variables adopts it
         return self

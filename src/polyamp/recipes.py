@@ -41,6 +41,7 @@ from .numerics.formats import FloatFormat
 from .step import is_count, is_number
 
 RECIPES = ("fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4")
+BUILT_ON = ("torch",)  # the front ends whose MixedPrecision trains with a recipe
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 KEEP_TOKENS = ("first", "last")
 _FLT_MAX = np.float32(np.finfo(np.float32).max)

@@ -15,14 +15,68 @@ from __future__ import annotations
 from typing import Any
 
 from ..eager import EagerMixedPrecision
-from .ops import TorchOps
+from ..errors import PolyampError
+from .ops import TorchOps, default_device
 
 
 class MixedPrecision(EagerMixedPrecision):
-    """Mixed precision for one PyTorch training run (see ``polyamp.MixedPrecision``)."""
+    """Mixed precision for one PyTorch training run (see ``polyamp.MixedPrecision``); with a recipe
+    (``MixedPrecision("fp8-tensorwise")``), ``recipe.py``'s quantized matmuls under ``mp.autocast()``."""
 
     framework = "torch"
     ops = TorchOps()
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._layers = None  # the recipe's LayerStack, from mp.watch(model)
+        self._quantizer = None
+        if self.recipe is not None:
+            from .recipe import Quantizer, check_recipe
+
+            check_recipe(self.recipe)
+            self._quantizer = Quantizer(self.recipe)
+
+    def watch(self, model: Any) -> Any:
+        model = super().watch(model)
+        if self._quantizer is not None:
+            from .recipe import LayerStack
+
+            if self._layers is not None:
+                self._layers.remove()
+            self._layers = LayerStack(model, self.recipe.keep)
+        return model
+
+    def autocast(self, *, device: str | None = None, enabled: bool = True):
+        if self._quantizer is None or not enabled:
+            return super().autocast(device=device, enabled=enabled)
+        if self._layers is None:
+            raise PolyampError(
+                f"the {self.recipe.name!r} recipe quantizes the matmuls of a watched model: call "
+                "mp.watch(model) once before training"
+            )
+        from .recipe import autocast
+
+        if device is not None and device != self.device:
+            self.ops.check_device(device)
+        return autocast(self._quantizer, self._layers, device or self.device or default_device())
+
+    def state_dict(self, native: str | None = None) -> Any:
+        """``polyamp.MixedPrecision.state_dict``, plus the recipe's state (delayed-scaling histories)."""
+        out = super().state_dict(native)
+        if native is None and self._quantizer is not None:
+            out["recipe"] = {"name": self.recipe.name, "state": self._quantizer.state_dict()}
+        return out
+
+    def load_state_dict(self, state: Any) -> None:
+        saved = state.get("recipe") if isinstance(state, dict) else None
+        ours = self.recipe.name if self.recipe is not None else None
+        if (saved or {}).get("name") != ours and isinstance(state, dict) and "policy" in state:
+            raise PolyampError(f"the checkpoint was saved with recipe {(saved or {}).get('name')!r}, this "
+                               f"run uses {ours!r}; create MixedPrecision with the checkpoint's to resume it")
+        super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
+                                if isinstance(state, dict) else state)  # fmt: skip
+        if saved is not None:
+            self._quantizer.load_state_dict(saved["state"])
 
     def unscale_(self, optimizer: Any) -> bool:
         """Unscale ``optimizer``'s gradients now, so that code can read or change them before

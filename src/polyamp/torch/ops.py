@@ -102,7 +102,7 @@ class TorchOps(EagerOps):
 
     # -- autocast ----------------------------------------------------------------------------------
     def autocast(self, policy, device: str | None):
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = device or default_device()
         dtype = _DTYPES[policy.compute_dtype]
         if dtype in (torch.float32, torch.float64):
             return torch.autocast(device, enabled=False)
@@ -279,3 +279,8 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def default_device() -> str:
+    """Where autocast runs when no device is given: cuda when available, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

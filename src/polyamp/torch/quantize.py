@@ -89,7 +89,7 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
         k = _mx_exponent(amax, bf.element, rule)
         scales = _pow2(k)
         scaled = x64 * _pow2(-_expand(k, axes, shape, x64.shape))
-        elements = _round(scaled, bf.element, mode, True, seed)
+        elements = _round_elements(scaled, bf.element, mode, seed, x.dtype != torch.float64)
     else:
         g = _nvfp4_global(a, x.dtype)
         scales = _round(amax / (bf.element.max * g), bf.scale, _MODE["nearest"], True, 0)
@@ -104,6 +104,20 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
     if g is not None:
         v = v * g
     return torch.where(torch.isnan(s), torch.nan, v).to(dtype)
+
+
+_FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _round_elements(scaled: torch.Tensor, elem: FloatFormat, mode: int, seed: int, narrow: bool):
+    """MX elements: ``_round`` (saturating), or torch's own float8 cast where it rounds the same: nearest
+    (ties to even) onto e4m3fn / e5m2 after clamping to +-max, of ``scaled`` values that float32 holds
+    (``x`` no wider than float32 times a power of two; those below float32's range are far below half
+    the element's smallest subnormal, 0 either way, sign kept)."""
+    if mode != _MODE["nearest"] or elem.name not in _FLOAT8 or not narrow:
+        return _round(scaled, elem, mode, True, seed)
+    fmax = float(elem.max)
+    return scaled.float().clamp_(-fmax, fmax).to(_FLOAT8[elem.name]).double()
 
 
 # -- scalar rounding ------------------------------------------------------------------------------

@@ -1,0 +1,253 @@
+"""Emulated low-precision training in PyTorch: ``polyamp.recipes`` applied to ``F.linear``.
+
+Under ``mp.autocast()`` of a ``MixedPrecision`` made from a recipe (``"fp8-tensorwise"``,
+``"fp8-delayed"``, ``"mxfp8"``, ``"nvfp4"``), each ``torch.nn.functional.linear`` call inside the
+watched model (``nn.Linear``, and the functional calls of other modules, e.g. attention's
+projections) becomes three quantized GEMMs, as TransformerEngine runs them:
+
+    forward        y  = Qf(x) @ Qf(W)^T (+ b)
+    input grad     dx = Qb(g) @ Qf'(W)
+    weight grad    dW = Qb(g)^T @ Qf'(x)
+
+``Qf`` / ``Qb`` quantize-dequantize to the recipe's forward / backward format; ``Qf'`` is the same
+tensor blocked along the other GEMM dimension for block formats (TE keeps a row-wise and a
+column-wise copy) and the forward cast itself for per-tensor scaling and NVFP4's 16x16 weight blocks.
+A GEMM the recipe leaves unquantized takes its operands as they are. Products run in the recipe's
+compute dtype (bf16 or fp32), and so does everything else (``torch.autocast``); layers in the keep
+list (by default the first and last ``nn.Linear``) compute as bf16-mixed.
+
+Quantization, bit-identical to the numpy core (``tests/test_torch_recipes.py``):
+- tensorwise: ``scale = current_scale(amax)`` (TE's rule), ``fp32(x * scale)`` cast to e4m3fn / e5m2
+  with saturation (torch's float8 dtypes round to nearest, ties to even), divided by ``scale``: the
+  core's ``recipes.quantize_tensorwise``;
+- delayed: the same with the scale of the layer's ``DelayedScaling`` for that operand, updated with
+  this call's amax after the cast (TE's order); the histories are in ``mp.state_dict()``;
+- block: ``polyamp.torch.quantize.quantize_blocks``; stochastic rounding draws its seed from a
+  counter of calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..errors import PolyampError
+from ..numerics import BLOCK_FORMATS, get_format
+from ..recipes import DelayedScaling, Recipe
+from .quantize import quantize, quantize_blocks
+
+_FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_COMPUTE = {"bf16": torch.bfloat16, "fp32": torch.float32}
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+class Quantizer:
+    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps: delayed scaling
+    per (layer, operand) and the stochastic-rounding counter."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.delayed: dict[tuple[str, str], DelayedScaling] = {}
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor, layer: str, operand: str, axis: int = -1) -> torch.Tensor:
+        """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"),
+        blocked along ``axis``; float32 out."""
+        r = self.recipe
+        grad = operand == "grad"
+        fmt = r.backward_format if grad else r.forward_format
+        rounding = r.grad_rounding if grad else r.forward_rounding
+        self.calls += 1
+        seed = self.calls if rounding == "stochastic" else None
+        if r.kind == "block":
+            block = (16, 16) if (r.weight_2d and operand == "weight") else None
+            axis = (-2, -1) if block else axis
+            return quantize_blocks(x.detach(), fmt, axis=axis, block=block, scale_rule=r.scale_rule,
+                                   rounding=rounding, seed=seed)  # fmt: skip
+        x32 = x.detach().float()
+        amax = x32.abs().amax() if x32.numel() else x32.new_zeros(())
+        if r.kind == "delayed":
+            ds = self.delayed.get((layer, operand))
+            if ds is None:
+                ds = self.delayed[layer, operand] = DelayedScaling(
+                    fmt, r.history_len, r.amax_compute_algo, r.margin)  # fmt: skip
+            scale = torch.tensor(float(ds.scale), dtype=torch.float32, device=x.device)
+            out = _tensorwise(x32, fmt, scale, rounding, seed)
+            ds.update(float(amax))
+            return out
+        return _tensorwise(x32, fmt, current_scale(amax, fmt, r.margin, r.amax_epsilon), rounding, seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The delayed-scaling states (``"layer|operand" -> DelayedScaling.state_dict()``), the counter."""
+        return {"calls": self.calls,
+                "delayed": {f"{k[0]}|{k[1]}": v.state_dict() for k, v in self.delayed.items()}}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"calls", "delayed"}:
+            raise PolyampError(f"a recipe state must be Quantizer.state_dict()'s dict; received {state!r}")
+        delayed = {}
+        r = self.recipe
+        for key, value in state["delayed"].items():
+            layer, _, operand = key.rpartition("|")
+            fmt = r.backward_format if operand == "grad" else r.forward_format
+            ds = DelayedScaling(fmt, r.history_len, r.amax_compute_algo, r.margin)
+            ds.load_state_dict(value)
+            delayed[layer, operand] = ds
+        self.delayed, self.calls = delayed, int(state["calls"])
+
+
+def current_scale(amax: torch.Tensor, fmt: str, margin: int = 0, eps: float = 0.0) -> torch.Tensor:
+    """``polyamp.recipes.current_scale`` of a 0-d float32 amax tensor, on its device (no host read)."""
+    scaled_max = float(np.float32(float(get_format(fmt).max) * 2.0**-margin))
+    a = amax.double()
+    a = torch.where(a < eps, eps, a)
+    q = (scaled_max / a).float()
+    q = torch.where(torch.isinf(q), _FLT_MAX, q)
+    return torch.where(torch.isfinite(a) & (a > 0), q, 1.0)
+
+
+def _tensorwise(x32: torch.Tensor, fmt: str, scale: torch.Tensor, rounding: str, seed) -> torch.Tensor:
+    """``recipes.quantize_tensorwise``: ``quantize(fp32(x * scale), fmt, saturate) / scale``, float32."""
+    y = x32 * scale
+    if rounding == "nearest" and fmt in _FLOAT8:
+        fmax = float(get_format(fmt).max)
+        q = y.clamp(-fmax, fmax).to(_FLOAT8[fmt]).float()
+    else:
+        q = quantize(y, fmt, rounding=rounding, saturate=True, seed=seed)
+    return q / scale
+
+
+class _QuantizedLinear(torch.autograd.Function):
+    """``F.linear`` with the recipe's three quantized GEMMs (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, quantizer: Quantizer, layer: str, compute: torch.dtype):
+        r = quantizer.recipe
+        fq = r.quantize_forward
+        xq = quantizer(x, layer, "input") if fq else x
+        wq = quantizer(weight, layer, "weight") if fq else weight
+        ctx.save_for_backward(x, weight, xq, wq)
+        ctx.args = (quantizer, layer, compute, bias is not None, x.dtype, weight.dtype)
+        b = None if bias is None else bias.to(compute)
+        return F.linear(xq.to(compute), wq.to(compute), b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, xq, wq = ctx.saved_tensors
+        quantizer, layer, compute, has_bias, x_dtype, w_dtype = ctx.args
+        r = quantizer.recipe
+        g2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        block = r.kind == "block"
+        wanted = (ctx.needs_input_grad[0] and r.quantize_input_grad,
+                  ctx.needs_input_grad[1] and r.quantize_weight_grad)  # fmt: skip
+        once = quantizer(g2, layer, "grad") if any(wanted) and not block else None  # one cast, one scale
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            gq, w_op = g2, weight
+            if wanted[0]:  # g blocked along N; W along its output dimension N (the dgrad GEMM's K)
+                gq = quantizer(g2, layer, "grad", axis=-1) if block else once
+                w_op = quantizer(weight, layer, "weight", axis=0) if block and not r.weight_2d else wq
+            dx = (gq.to(compute) @ w_op.to(compute)).reshape(x.shape).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            gq, x_op = g2, x2
+            if wanted[1]:  # g and x blocked along the batch (the wgrad GEMM's K)
+                gq = quantizer(g2, layer, "grad", axis=0) if block else once
+                x_op = quantizer(x2, layer, "input", axis=0) if block else xq.reshape(-1, x.shape[-1])
+            dw = (gq.to(compute).t() @ x_op.to(compute)).to(w_dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = g2.float().sum(0).to(w_dtype)
+        return dx, dw, db, None, None, None
+
+
+class RecipeMode(TorchFunctionMode):
+    """Routes ``F.linear`` calls to ``_QuantizedLinear`` while the innermost running module (``layers``'
+    stack, kept by ``mp.watch``'s hooks) is not kept."""
+
+    def __init__(self, quantizer: Quantizer, layers: LayerStack, compute: torch.dtype):
+        super().__init__()
+        self.quantizer, self.layers, self.compute = quantizer, layers, compute
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            layer = self.layers.current()
+            if layer is not None and not self.layers.is_kept(layer):
+                named = dict(zip(("input", "weight", "bias"), args), **kwargs)
+                return _QuantizedLinear.apply(named["input"], named["weight"], named.get("bias"),
+                                              self.quantizer, layer, self.compute)  # fmt: skip
+        return func(*args, **kwargs)
+
+
+class LayerStack:
+    """Which module is running (forward pre/post hooks on every module of the watched model), and the
+    recipe's keep list resolved to module names: ``first`` / ``last`` are the first and last
+    ``nn.Linear`` in ``named_modules`` order, other entries ``fnmatch`` patterns."""
+
+    def __init__(self, model: torch.nn.Module, keep: tuple[str, ...]):
+        modules = [(n, m) for n, m in model.named_modules() if n]
+        linears = [n for n, m in modules if isinstance(m, torch.nn.Linear)]
+        self.kept: set[str] = set()
+        for entry in keep:
+            if entry in ("first", "last"):
+                if linears:
+                    self.kept.add(linears[0] if entry == "first" else linears[-1])
+                continue
+            found = [n for n, _ in modules if fnmatch.fnmatchcase(n, entry)]
+            if not found:
+                raise PolyampError(f"the recipe's keep entry {entry!r} matches no module of the model; "
+                                   f"its modules: {', '.join(n for n, _ in modules[:20])}")  # fmt: skip
+            self.kept.update(found)
+        self._stack: list[str] = []
+        self.handles = []
+
+        def leave(*_) -> None:  # a forward hook that returns something replaces the output
+            self._stack.pop()
+
+        for name, m in modules:
+            self.handles.append(m.register_forward_pre_hook(lambda *_, n=name: self._stack.append(n)))
+            self.handles.append(m.register_forward_hook(leave))
+
+    def reset(self) -> None:
+        """Forget modules left on the stack by a forward that raised."""
+        self._stack.clear()
+
+    def current(self) -> str | None:
+        return self._stack[-1] if self._stack else None
+
+    def is_kept(self, layer: str) -> bool:
+        """``layer`` or one of its ancestors is kept."""
+        return any(layer == k or layer.startswith(k + ".") for k in self.kept)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+@contextlib.contextmanager
+def autocast(quantizer: Quantizer, layers: LayerStack, device: str):
+    """torch.autocast to the recipe's compute dtype, with the recipe's GEMMs (module docstring)."""
+    compute = _COMPUTE[quantizer.recipe.compute_dtype]
+    layers.reset()
+    with contextlib.ExitStack() as stack:
+        if compute != torch.float32:
+            stack.enter_context(torch.autocast(device.split(":")[0], dtype=compute))
+        stack.enter_context(RecipeMode(quantizer, layers, compute))
+        yield
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """PolyampError for a recipe setting this front end does not run."""
+    if recipe.hadamard:
+        raise PolyampError("the nvfp4 recipe's random Hadamard transform (hadamard=True) is not built in "
+                           "polyamp's torch front end yet; accepted: hadamard=False")  # fmt: skip
+    for fmt in (recipe.forward_format, recipe.backward_format):
+        if recipe.kind == "block" and fmt not in BLOCK_FORMATS:
+            raise PolyampError(f"unknown block format {fmt!r}")

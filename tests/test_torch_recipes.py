@@ -1,0 +1,262 @@
+"""Emulated fp8 / MX / NVFP4 training in PyTorch (``polyamp/torch/recipe.py``): the quantization against
+the numpy core bit for bit, the three GEMMs against a hand computation, keep lists, delayed-scaling
+checkpoints, training, and the errors."""
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import polyamp as pa
+from polyamp import PolyampError, recipes
+from polyamp.torch import recipe as tr
+
+RECIPE_NAMES = list(recipes.RECIPES)
+
+
+def same(got: torch.Tensor, want) -> bool:
+    """Bit for bit, NaN payloads aside (torch's float8 NaN widens to another float32 NaN than numpy's)."""
+    a, b = got.detach().numpy().astype(np.float32), np.asarray(want, np.float32)
+    nan = np.isnan(a)
+    return a.shape == b.shape and np.array_equal(nan, np.isnan(b)) and a[~nan].tobytes() == b[~nan].tobytes()
+
+
+def specials(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g).float())
+    x[:6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-42])
+    return x
+
+
+def mlp(seed=0, width=48):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
+                         nn.Linear(width, width), nn.GELU(), nn.Linear(width, 4))  # fmt: skip
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(64, 16, generator=g)
+        yield x, x[:, :4].sin()
+
+
+def train(model, mp, steps, lr=1e-2, start=0):
+    opt = torch.optim.Adam(model.parameters(), lr)
+    losses = []
+    for x, y in list(batches(start + steps))[start:]:
+        opt.zero_grad()
+        with mp.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        mp.backward(loss)
+        mp.step(opt)
+        losses.append(loss.item())
+    return losses, opt
+
+
+# -- quantization, bit for bit against the numpy core ----------------------------------------------
+@pytest.mark.parametrize("amax", [0.0, 1e-45, 1e-30, 0.37, 3.5, 448.0, 6e37, 3e38, math.inf, math.nan])
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("margin, eps", [(0, 0.0), (2, 0.0), (0, 1e-12)])
+def test_current_scale_equals_the_core(amax, fmt, margin, eps):
+    got = tr.current_scale(torch.tensor(amax, dtype=torch.float32), fmt, margin, eps)
+    want = recipes.current_scale(amax, fmt, margin, eps)
+    assert got.dtype == torch.float32 and got.numpy().tobytes() == np.float32(want).tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+def test_tensorwise_cast_equals_the_core(fmt):
+    x = specials(20000, seed=2)
+    for scale in (1.0, 0.5, 3.0, 2.0**-20, 1e30, 448.0 / 7.3):
+        s = torch.tensor(scale, dtype=torch.float32)
+        got = tr._tensorwise(x, fmt, s, "nearest", None)
+        want = recipes.quantize_tensorwise(x.numpy(), fmt, scale)
+        assert same(got, want), scale
+
+
+def test_stochastic_tensorwise_equals_the_core():
+    x = specials(5000, seed=3)
+    got = tr._tensorwise(x, "e5m2", torch.tensor(8.0), "stochastic", 11)
+    want = recipes.quantize_tensorwise(x.numpy(), "e5m2", 8.0, rounding="stochastic", seed=11)
+    assert same(got, want)
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+@pytest.mark.parametrize("operand", ["input", "weight", "grad"])
+def test_each_operand_is_quantized_as_the_core_does(name, operand):
+    """The Quantizer's output, for each recipe and operand, against the numpy core's functions."""
+    r = recipes.get_recipe(name)
+    q = tr.Quantizer(r)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(48, 64, generator=g) * torch.exp2(torch.randint(-8, 8, (48, 1), generator=g).float())
+    x[3, 5] = 0.0
+    fmt = r.backward_format if operand == "grad" else r.forward_format
+    rounding = r.grad_rounding if operand == "grad" else r.forward_rounding
+    for axis in (-1, 0):
+        got = q(x, "layer", operand, axis=axis)
+        seed = q.calls if rounding == "stochastic" else None
+        if r.kind == "block":
+            two_d = r.weight_2d and operand == "weight"
+            want = pa.quantize_blocks(x.numpy(), fmt, axis=(-2, -1) if two_d else axis,
+                                      block=(16, 16) if two_d else None, scale_rule=r.scale_rule,
+                                      rounding=rounding, seed=seed)  # fmt: skip
+        else:
+            ds = recipes.DelayedScaling(fmt) if r.kind == "delayed" else None
+            scale = ds.scale if ds is not None else recipes.current_scale(float(x.abs().max()), fmt)
+            if r.kind == "delayed" and axis == 0:  # the second call uses the scale the first one left
+                ds.update(float(x.abs().max()))
+                scale = ds.scale
+            want = recipes.quantize_tensorwise(x.numpy(), fmt, scale, rounding=rounding, seed=seed)
+        assert got.dtype == torch.float32
+        assert same(got, want), (axis, operand)
+
+
+# -- the three GEMMs against a hand computation -----------------------------------------------------
+@pytest.mark.parametrize("name", ["fp8-tensorwise", "mxfp8", "nvfp4"])
+def test_forward_and_both_gradients_are_the_quantized_gemms(name):
+    r = recipes.get_recipe(name, keep=(), grad_rounding="nearest", compute_dtype="fp32")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 48, generator=g, requires_grad=True)
+    w = torch.randn(64, 48, generator=g, requires_grad=True)
+    b = torch.randn(64, generator=g, requires_grad=True)
+    gy = torch.randn(32, 64, generator=g)
+    y = tr._QuantizedLinear.apply(x, w, b, tr.Quantizer(r), "l", torch.float32)
+    y.backward(gy)
+
+    def q(t, fmt, axis=-1, two_d=False):
+        if r.kind != "block":
+            scale = recipes.current_scale(float(t.detach().abs().max()), fmt)
+            return torch.from_numpy(recipes.quantize_tensorwise(t.detach().numpy(), fmt, scale))
+        out = pa.quantize_blocks(t.detach().numpy(), fmt, axis=(-2, -1) if two_d else axis,
+                                 block=(16, 16) if two_d else None, scale_rule=r.scale_rule)  # fmt: skip
+        return torch.from_numpy(np.asarray(out, np.float32))
+
+    f, bk, two_d = r.forward_format, r.backward_format, r.weight_2d
+    wq = q(w, f, two_d=two_d)
+    assert torch.equal(y, q(x, f) @ wq.t() + b)
+    w_dgrad = wq if (two_d or r.kind != "block") else q(w, f, axis=0)
+    assert torch.equal(x.grad, q(gy, bk) @ w_dgrad)
+    x_wgrad = q(x, f) if r.kind != "block" else q(x, f, axis=0)
+    g_wgrad = q(gy, bk) if r.kind != "block" else q(gy, bk, axis=0)
+    assert torch.equal(w.grad, g_wgrad.t() @ x_wgrad)
+    assert torch.equal(b.grad, gy.sum(0))
+
+
+def test_unquantized_gemms_take_their_operands_as_they_are():
+    r = recipes.get_recipe("fp8-tensorwise", keep=(), compute_dtype="fp32", quantize_input_grad=False,
+                           quantize_weight_grad=False)  # fmt: skip
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(8, 16, generator=g, requires_grad=True)
+    w = torch.randn(4, 16, generator=g, requires_grad=True)
+    gy = torch.randn(8, 4, generator=g)
+    tr._QuantizedLinear.apply(x, w, None, tr.Quantizer(r), "l", torch.float32).backward(gy)
+    assert torch.equal(x.grad, gy @ w.detach()) and torch.equal(w.grad, gy.t() @ x.detach())
+
+
+# -- MixedPrecision with a recipe --------------------------------------------------------------------
+def layer_inputs(model, mp, x):
+    """Per nn.Linear, whether the matmul it ran saw quantized operands (a recorded F.linear call)."""
+    seen = []
+    original = tr._QuantizedLinear.apply
+
+    def spy(*args):
+        seen.append(args[4])
+        return original(*args)
+
+    tr._QuantizedLinear.apply = spy
+    try:
+        with mp.autocast():
+            model(x)
+    finally:
+        tr._QuantizedLinear.apply = original
+    return seen
+
+
+def test_the_first_and_last_linear_are_kept_by_default_and_patterns_keep_more():
+    model = mlp()
+    mp = pa.MixedPrecision("fp8-tensorwise", framework="torch", device="cpu")
+    mp.watch(model)
+    x = next(batches(1))[0]
+    assert layer_inputs(model, mp, x) == ["2", "4"]
+    custom = pa.MixedPrecision(recipes.get_recipe("mxfp8", keep=("first", "4")), framework="torch",
+                               device="cpu")  # fmt: skip
+    custom.watch(model)
+    assert layer_inputs(model, custom, x) == ["2", "6"]
+    everything = pa.MixedPrecision(recipes.get_recipe("nvfp4", keep=()), framework="torch", device="cpu")
+    everything.watch(model)
+    assert layer_inputs(model, everything, x) == ["0", "2", "4", "6"]
+
+
+def test_functional_linears_inside_a_module_are_quantized_under_its_name():
+    class Projection(nn.Module):  # its own weight, applied with F.linear
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(32, 32) / 6)
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.w)
+
+    model = nn.Sequential(nn.Linear(8, 32), Projection(), nn.Linear(32, 2))
+    mp = pa.MixedPrecision("fp8-tensorwise", framework="torch", device="cpu")
+    mp.watch(model)
+    assert layer_inputs(model, mp, torch.randn(4, 8)) == ["1"]
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_each_recipe_trains_and_differs_from_bf16(name):
+    model = mlp()
+    mp = pa.MixedPrecision(name, framework="torch", device="cpu")
+    mp.watch(model)
+    losses, _ = train(model, mp, 60)
+    ref = mlp()
+    bf16 = pa.MixedPrecision("bf16-mixed", framework="torch", device="cpu")
+    train(ref, bf16, 60)
+    assert np.mean(losses[-10:]) < 0.2 * losses[0]
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    assert mp.recipe.name == name and repr(mp).startswith(f"MixedPrecision({name!r}")
+
+
+def test_delayed_scaling_resumes_bit_identically_from_a_json_checkpoint():
+    full_model = mlp()
+    full = pa.MixedPrecision("fp8-delayed", framework="torch", device="cpu")
+    full.watch(full_model)
+    train(full_model, full, 12)
+
+    model = mlp()
+    first = pa.MixedPrecision("fp8-delayed", framework="torch", device="cpu")
+    first.watch(model)
+    _, opt = train(model, first, 6)
+    saved = json.loads(json.dumps(first.state_dict()))
+    assert saved["recipe"]["name"] == "fp8-delayed" and saved["recipe"]["state"]["delayed"]
+    resumed = pa.MixedPrecision("fp8-delayed", framework="torch", device="cpu")
+    resumed.watch(model)
+    resumed.load_state_dict(saved)
+    opt_state = copy.deepcopy(opt.state_dict())
+    opt2 = torch.optim.Adam(model.parameters(), 1e-2)
+    opt2.load_state_dict(opt_state)
+    for x, y in list(batches(12))[6:]:
+        opt2.zero_grad()
+        with resumed.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        resumed.backward(loss)
+        resumed.step(opt2)
+    assert all(torch.equal(a, b) for a, b in zip(full_model.parameters(), model.parameters()))
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+def test_recipe_errors():
+    with pytest.raises(PolyampError, match="call mp.watch"):
+        pa.MixedPrecision("fp8-tensorwise", framework="torch", device="cpu").autocast()
+    with pytest.raises(PolyampError, match="Hadamard"):
+        pa.MixedPrecision(recipes.get_recipe("nvfp4", hadamard=True), framework="torch", device="cpu")
+    with pytest.raises(PolyampError, match="matches no module"):
+        pa.MixedPrecision(recipes.get_recipe("mxfp8", keep=("nope*",)), framework="torch").watch(mlp())
+    with pytest.raises(PolyampError, match="precision policy"):
+        pa.MixedPrecision("fp8-tensorwize", framework="torch")
+    saved = pa.MixedPrecision("fp8-delayed", framework="torch", device="cpu").state_dict()
+    with pytest.raises(PolyampError, match="recipe 'fp8-delayed'"):
+        pa.MixedPrecision("bf16-mixed", framework="torch", device="cpu").load_state_dict(saved)
