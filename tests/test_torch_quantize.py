@@ -143,6 +143,27 @@ def test_quantize_blocks_matches_core(fmt, rule, mode):
             assert_same(tq.quantize_blocks(to_torch(xx), fmt, axis, block, rule, mode, seed), core)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
+@pytest.mark.parametrize("rule", ["floor", "rceil", "ceil", "even"])
+def test_whole_fp8_blocks_take_the_float32_path_and_match_the_core(fmt, rule, monkeypatch):
+    """Whole blocks of fp8 elements, rounded to nearest, no wider than float32: torch's float8 casts."""
+    taken = []
+    original = tq._mx_float8
+    monkeypatch.setattr(tq, "_mx_float8", lambda *a: taken.append(a[2]) or original(*a))
+    x = block_data((37, 70))[:, :64]  # ties, NaN/inf/zero/tiny/huge rows; whole blocks along axis 1
+    x = np.concatenate([x, x[:27] * 2.0**-100], axis=0)  # 64 rows: whole blocks along axis 0 too
+    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+        with np.errstate(over="ignore"):
+            xx = x.astype(dtype)
+        for axis in (-1, 0):
+            core = np_quantize_blocks(xx, fmt, axis, None, rule)
+            assert_same(tq.quantize_blocks(to_torch(xx), fmt, axis, None, rule), core)
+    assert taken == [1, 0] * 3
+    tq.quantize_blocks(to_torch(x), fmt, -1, None, rule, "stochastic", 3)  # not this path
+    tq.quantize_blocks(to_torch(x[:, :40]), fmt, -1, None, rule)  # a partial block: not this path
+    assert len(taken) == 6
+
+
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
 def test_blocks_3d_partial_and_float64_extremes(fmt):
     rng = np.random.default_rng(5)

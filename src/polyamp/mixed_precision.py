@@ -52,6 +52,14 @@ def recipe_of(policy: Any) -> Recipe | None:
     return None
 
 
+def policy_for(spec: Any) -> Policy:
+    """The policy of a policy spelling, or of a recipe: bf16-mixed (its compute dtype bf16) or float32."""
+    recipe = recipe_of(spec)
+    if recipe is None:
+        return Policy.parse(spec)
+    return Policy.parse("bf16-mixed" if recipe.compute_dtype == "bf16" else "float32")
+
+
 def check_keep_fp32(names: Any) -> tuple[str, ...]:
     """``keep_fp32`` as a tuple of layer names: None, one name, or an iterable of non-empty names."""
     if names is None:
@@ -137,9 +145,8 @@ class MixedPrecision:
                                f"MixedPrecision ({self.framework})")  # fmt: skip
         self.recipe = recipe_of(policy)
         if self.recipe is not None:  # the GEMMs' operands quantized; the rest computes as the policy
-            policy = "bf16-mixed" if self.recipe.compute_dtype == "bf16" else "float32"
             self._check_recipe()
-        self.policy = Policy.parse(policy)
+        self.policy = policy_for(policy)
         self.loss_scale = make_loss_scale(loss_scale, self.policy)
         for name, value in (("guard", guard), ("debug", debug)):
             if not isinstance(value, bool):

@@ -123,9 +123,9 @@ def measure(framework: str, quick: bool = False) -> Roofline:
 
 def share(policy: str, flops_per_step: int, median_step_s: float, roofline: dict | None) -> Share:
     """The case's achieved GFLOP/s and its share of ``roofline`` (a ``Roofline.to_json()``)."""
-    from ..policy import Policy
+    from ..mixed_precision import policy_for
 
-    dtype = Policy.parse(policy).compute_dtype
+    dtype = policy_for(policy).compute_dtype
     achieved = flops_per_step / median_step_s / 1e9
     peak = (roofline or {}).get("gflops", {}).get(dtype)
     n = (roofline or {}).get("size", {}).get(dtype)

@@ -109,10 +109,21 @@ def plan(frameworks=None, workloads=None, policies=None) -> list[tuple[str, str,
     for name in workloads:
         if name not in WORKLOADS:
             raise PolyampError(f"unknown workload {name!r}; accepted: {', '.join(WORKLOADS)}")
+    from ..mixed_precision import recipe_of
     from ..policy import Policy
+    from ..recipes import BUILT_ON
 
-    policies = [Policy.parse(p).name for p in (policies or DEFAULT_POLICIES)]
+    policies = [recipe_of(p).name if recipe_of(p) else Policy.parse(p).name
+                for p in (policies or DEFAULT_POLICIES)]  # fmt: skip
     policies.sort(key=lambda p: p != "float32")
+    recipes = [p for p in policies if recipe_of(p)]
+    elsewhere = [f for f in frameworks if f not in BUILT_ON]
+    if recipes and elsewhere:
+        raise PolyampError(
+            f"the recipe{'s' if len(recipes) > 1 else ''} {', '.join(recipes)} train in polyamp's "
+            f"{', '.join(BUILT_ON)} front end so far, not in {', '.join(elsewhere)}; pass --frameworks "
+            f"{','.join(BUILT_ON)} to compare them"
+        )
     return [(f, w, p) for f in frameworks for w in workloads for p in policies]
 
 

@@ -77,6 +77,9 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
     shape = _blocks._block_shape(bf, block)
     axes = _blocks._axes(axis, x.ndim, len(shape))
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if (bf.scale.name == "e8m0fnu" and bf.element.name in _FLOAT8 and mode == _MODE["nearest"]
+            and dtype == torch.float32 and len(shape) == 1 and x.shape[axes[0]] % shape[0] == 0):
+        return _mx_float8(x, bf, axes[0], rule)
     x64 = x.to(torch.float64)
     a = x64.abs()
     amax = _block_amax(a, axes, shape)
@@ -107,6 +110,23 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
 
 
 _FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _mx_float8(x: torch.Tensor, bf, axis: int, rule: str) -> torch.Tensor:
+    """MX blocks of e4m3fn / e5m2 elements, nearest, along ``axis`` whose length the block divides, of
+    ``x`` no wider than float32: the steps above in float32 (a block of whole blocks is a reshape; the
+    scaled values, ``x * 2^-k``, are exact in float32 down to far below half the element's smallest
+    subnormal, and torch's float8 cast rounds as ``_round`` does), then ``element * 2^k``, exact."""
+    moved = torch.movedim(x.float(), axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // bf.block, bf.block)
+    amax = blocks.abs().amax(-1)  # NaN wins
+    bad = ~torch.isfinite(amax)
+    k = _mx_exponent(torch.where(bad, 0.0, amax).double(), bf.element, rule)
+    fmax = float(bf.element.max)
+    scaled = blocks * _pow2(-k).float().unsqueeze(-1)
+    elements = scaled.clamp_(-fmax, fmax).to(_FLOAT8[bf.element.name]).float()
+    v = elements.mul_(torch.where(bad, torch.nan, _pow2(k).float()).unsqueeze(-1))
+    return torch.movedim(v.reshape(moved.shape), -1, axis)
 
 
 def _round_elements(scaled: torch.Tensor, elem: FloatFormat, mode: int, seed: int, narrow: bool):
