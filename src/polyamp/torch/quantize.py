@@ -100,7 +100,7 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
         zero = den == 0  # s_block rounded to 0: the block holds +-0
         x64 = torch.where(zero, torch.copysign(torch.zeros_like(x64), x64), x64)
         den = torch.where(zero, 1.0, den)
-        elements = _round(x64 / den, bf.element, mode, True, seed)
+        elements = _round_elements(x64 / den, bf.element, mode, seed, False)
     scales = torch.where(bad, torch.nan, scales)
     s = _expand(scales, axes, shape, elements.shape)
     v = elements * s
@@ -134,10 +134,27 @@ def _round_elements(scaled: torch.Tensor, elem: FloatFormat, mode: int, seed: in
     (ties to even) onto e4m3fn / e5m2 after clamping to +-max, of ``scaled`` values that float32 holds
     (``x`` no wider than float32 times a power of two; those below float32's range are far below half
     the element's smallest subnormal, 0 either way, sign kept)."""
+    if mode == _MODE["nearest"] and elem.name == "e2m1fn":
+        return _nearest_e2m1(scaled)
     if mode != _MODE["nearest"] or elem.name not in _FLOAT8 or not narrow:
         return _round(scaled, elem, mode, True, seed)
     fmax = float(elem.max)
     return scaled.float().clamp_(-fmax, fmax).to(_FLOAT8[elem.name]).double()
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# the midpoints between them; a tie goes to the even neighbour: down at 0.25, 1.25, 2.5, 5, up at 0.75,
+# 1.75, 3.5 (there the boundary is the float64 just below the tie, so the tie falls into the upper bucket)
+_E2M1_EDGES = (0.25, float(np.nextafter(0.75, 0)), 1.25, float(np.nextafter(1.75, 0)), 2.5,
+               float(np.nextafter(3.5, 0)), 5.0)  # fmt: skip
+
+
+def _nearest_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """``_round(v, e2m1fn, nearest, saturate)`` of finite ``v`` by a lookup: the bucket of ``|v|``
+    between the grid's midpoints (``_E2M1_EDGES``), its grid value, ``v``'s sign."""
+    edges = torch.tensor(_E2M1_EDGES, dtype=v.dtype, device=v.device)
+    grid = torch.tensor(_E2M1, dtype=v.dtype, device=v.device)
+    return grid[torch.bucketize(v.abs(), edges)].copysign_(v)
 
 
 # -- scalar rounding ------------------------------------------------------------------------------
