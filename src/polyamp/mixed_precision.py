@@ -20,7 +20,7 @@ from .errors import PolyampError
 from .frameworks import IDIOMS, canonical_framework, detect, front_end, imported_frameworks
 from .native import from_native, to_native
 from .policy import Policy
-from .recipes import BUILT_ON, RECIPES, Recipe, get_recipe
+from .recipes import BUILT_ON, RECIPES, Recipe, parse_recipe
 from .scaling import PRESETS, DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale, check_loss_scale
 
 
@@ -44,11 +44,12 @@ def make_loss_scale(spec, policy: Policy):
 
 
 def recipe_of(policy: Any) -> Recipe | None:
-    """The training recipe ``policy`` names (``polyamp.recipes.RECIPES``, or a ``Recipe``), else None."""
+    """The training recipe ``policy`` names (``polyamp.recipes.parse_recipe``'s spelling, or a ``Recipe``),
+    else None."""
     if isinstance(policy, Recipe):
         return policy
-    if isinstance(policy, str) and policy.strip().lower() in RECIPES:
-        return get_recipe(policy.strip().lower())
+    if isinstance(policy, str) and policy.partition(":")[0].strip().lower() in RECIPES:
+        return parse_recipe(policy.strip())
     return None
 
 

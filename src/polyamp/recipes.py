@@ -157,6 +157,54 @@ def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
     return replace(base, **overrides) if overrides else base
 
 
+def parse_recipe(spec: str) -> Recipe:
+    """A recipe from its spelling: a name of :data:`RECIPES`, each override after a ``:`` as
+    ``field=value`` (``"mxfp8:scale_rule=floor"``, ``"nvfp4:keep=:grad_rounding=nearest"``; no commas, so
+    a spelling fits a comma-separated list). Values: ``true`` / ``false``, integers, numbers, words;
+    ``keep`` lists its entries separated by ``|`` (empty: keep nothing). :func:`recipe_spec` writes it.
+    """
+    name, *items = spec.split(":")
+    overrides: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in items)):
+        field, eq, value = (x.strip() for x in item.partition("="))
+        if not eq:
+            raise PolyampError(f"recipe {spec!r}: {item!r} is not field=value (e.g. "
+                               "'mxfp8:scale_rule=floor')")  # fmt: skip
+        overrides[field] = _value(field, value)
+    return get_recipe(name, **overrides)
+
+
+def _value(field: str, text: str) -> Any:
+    if field == "keep":
+        return tuple(filter(None, (t.strip() for t in text.split("|"))))
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return None if low == "none" else text
+
+
+def recipe_spec(r: Recipe) -> str:
+    """The shortest :func:`parse_recipe` spelling of ``r``: its name, then the fields that differ from
+    the preset's, in field order."""
+    base = get_recipe(r.name)
+    changed = [f.name for f in fields(Recipe) if getattr(r, f.name) != getattr(base, f.name)]
+    if not changed:
+        return r.name
+
+    def text(field: str) -> str:
+        value = getattr(r, field)
+        if field == "keep":
+            return "|".join(value)
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return ":".join([r.name, *(f"{f}={text(f)}" for f in changed)])
+
+
 def _check_recipe(r: Recipe) -> None:
     def bad(field: str, accepted: str) -> PolyampError:
         return PolyampError(f"recipe {r.name!r}: {field} must be {accepted}; received {getattr(r, field)!r}")

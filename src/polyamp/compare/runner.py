@@ -111,9 +111,9 @@ def plan(frameworks=None, workloads=None, policies=None) -> list[tuple[str, str,
             raise PolyampError(f"unknown workload {name!r}; accepted: {', '.join(WORKLOADS)}")
     from ..mixed_precision import recipe_of
     from ..policy import Policy
-    from ..recipes import BUILT_ON
+    from ..recipes import BUILT_ON, recipe_spec
 
-    policies = [recipe_of(p).name if recipe_of(p) else Policy.parse(p).name
+    policies = [recipe_spec(recipe_of(p)) if recipe_of(p) else Policy.parse(p).name
                 for p in (policies or DEFAULT_POLICIES)]  # fmt: skip
     policies.sort(key=lambda p: p != "float32")
     recipes = [p for p in policies if recipe_of(p)]

@@ -80,6 +80,8 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
     if (bf.scale.name == "e8m0fnu" and bf.element.name in _FLOAT8 and mode == _MODE["nearest"]
             and dtype == torch.float32 and len(shape) == 1 and x.shape[axes[0]] % shape[0] == 0):
         return _mx_float8(x, bf, axes[0], rule)
+    if bf.name == "nvfp4" and dtype == torch.float32 and _trailing(x.shape, axes, shape):
+        return _nvfp4_trailing(x, bf, shape, mode, seed or 0)
     x64 = x.to(torch.float64)
     a = x64.abs()
     amax = _block_amax(a, axes, shape)
@@ -110,6 +112,109 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
 
 
 _FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def _trailing(full, axes, shape) -> bool:
+    """Blocks on the last axes in order, each a whole number of blocks: a reshape holds them."""
+    n = len(full)
+    return tuple(axes) == tuple(range(n - len(shape), n)) and all(
+        full[a] % b == 0 for a, b in zip(axes, shape))  # fmt: skip
+
+
+def _nvfp4_trailing(x: torch.Tensor, bf, shape, mode: int, seed: int) -> torch.Tensor:
+    """NVFP4 blocks on ``x``'s trailing axes (``_trailing``), ``x`` no wider than float32: the steps above
+    on a reshape of ``x`` (the block values broadcast, none expanded), the quotient and the products in
+    float64 as there, the elements by ``_round_elements`` in ``x``'s own order (the stochastic index)."""
+    x32 = x.float()
+    lead = x32.shape[: x32.ndim - len(shape)]
+    split = [*lead]
+    for n, b in zip(x32.shape[len(lead) :], shape):
+        split += [n // b, b]
+    inner = tuple(range(len(lead) + 1, len(split), 2))  # the within-block dims
+    a = x32.abs()
+    amax = a.reshape(split).amax(dim=inner, keepdim=True)  # NaN wins
+    bad = ~torch.isfinite(amax)
+    g = _nvfp4_global(a, x.dtype)
+    scales = _round(torch.where(bad, 0.0, amax).double() / (bf.element.max * g), bf.scale, _MODE["nearest"],
+                    True, 0)  # fmt: skip
+    den = scales * g
+    zero = den == 0  # s_block rounded to 0: the block holds +-0
+    x64 = x32.double().reshape(split)
+    q = torch.where(zero, torch.copysign(torch.zeros_like(x64), x64), x64 / torch.where(zero, 1.0, den))
+    elements = _round_elements(q.reshape(x.shape), bf.element, mode, seed, False).reshape(split)
+    v = elements * torch.where(bad, torch.nan, scales) * g
+    return v.reshape(x.shape).float()
+
+
+def _mx_float8(x: torch.Tensor, bf, axis: int, rule: str) -> torch.Tensor:
+    """MX blocks of e4m3fn / e5m2 elements, nearest, along ``axis`` whose length the block divides, of
+    ``x`` no wider than float32: the steps above in float32 (a block of whole blocks is a reshape; the
+    scaled values, ``x * 2^-k``, are exact in float32 down to far below half the element's smallest
+    subnormal, and torch's float8 cast rounds as ``_round`` does), then ``element * 2^k``, exact."""
+    moved = torch.movedim(x.float(), axis, -1)
+    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // bf.block, bf.block)
+    amax = blocks.abs().amax(-1)  # NaN wins
+    bad = ~torch.isfinite(amax)
+    k = _mx_exponent(torch.where(bad, 0.0, amax).double(), bf.element, rule)
+    fmax = float(bf.element.max)
+    scaled = blocks * _pow2(-k).float().unsqueeze(-1)
+    elements = scaled.clamp_(-fmax, fmax).to(_FLOAT8[bf.element.name]).float()
+    v = elements.mul_(torch.where(bad, torch.nan, _pow2(k).float()).unsqueeze(-1))
+    return torch.movedim(v.reshape(moved.shape), -1, axis)
+
+
+def _round_elements(scaled: torch.Tensor, elem: FloatFormat, mode: int, seed: int, narrow: bool):
+    """MX elements: ``_round`` (saturating), or torch's own float8 cast where it rounds the same: nearest
+    (ties to even) onto e4m3fn / e5m2 after clamping to +-max, of ``scaled`` values that float32 holds
+    (``x`` no wider than float32 times a power of two; those below float32's range are far below half
+    the element's smallest subnormal, 0 either way, sign kept)."""
+    if mode == _MODE["nearest"] and elem.name == "e2m1fn":
+        return _nearest_e2m1(scaled)
+    if mode != _MODE["nearest"] or elem.name not in _FLOAT8 or not narrow:
+        return _round(scaled, elem, mode, True, seed)
+    fmax = float(elem.max)
+    return scaled.float().clamp_(-fmax, fmax).to(_FLOAT8[elem.name]).double()
+
+
+def _nearest_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """``_round(v, e2m1fn, nearest, saturate)`` of finite ``v``: e2m1's spacing is 0.5 below 2, 1 below
+    4 and 2 above, so ``round(|v| / step) * step`` (ties to even at the grid's own parity) clamped to 6,
+    with ``v``'s sign; the divisions by powers of two are exact."""
+    a = v.abs()
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return a.div_(step).round_().mul_(step).clamp_(max=6.0).copysign_(v)
+
+
+def _trailing(full, axes, shape) -> bool:
+    """Blocks on the last axes in order, each a whole number of blocks: a reshape holds them."""
+    n = len(full)
+    return tuple(axes) == tuple(range(n - len(shape), n)) and all(
+        full[a] % b == 0 for a, b in zip(axes, shape))  # fmt: skip
+
+
+def _nvfp4_trailing(x: torch.Tensor, bf, shape, mode: int, seed: int) -> torch.Tensor:
+    """NVFP4 blocks on ``x``'s trailing axes (``_trailing``), ``x`` no wider than float32: the steps above
+    on a reshape of ``x`` (the block values broadcast, none expanded), the quotient and the products in
+    float64 as there, the elements by ``_round_elements`` in ``x``'s own order (the stochastic index)."""
+    x32 = x.float()
+    lead = x32.shape[: x32.ndim - len(shape)]
+    split = [*lead]
+    for n, b in zip(x32.shape[len(lead) :], shape):
+        split += [n // b, b]
+    inner = tuple(range(len(lead) + 1, len(split), 2))  # the within-block dims
+    a = x32.abs()
+    amax = a.reshape(split).amax(dim=inner, keepdim=True)  # NaN wins
+    bad = ~torch.isfinite(amax)
+    g = _nvfp4_global(a, x.dtype)
+    scales = _round(torch.where(bad, 0.0, amax).double() / (bf.element.max * g), bf.scale, _MODE["nearest"],
+                    True, 0)  # fmt: skip
+    den = scales * g
+    zero = den == 0  # s_block rounded to 0: the block holds +-0
+    x64 = x32.double().reshape(split)
+    q = torch.where(zero, torch.copysign(torch.zeros_like(x64), x64), x64 / torch.where(zero, 1.0, den))
+    elements = _round_elements(q.reshape(x.shape), bf.element, mode, seed, False).reshape(split)
+    v = elements * torch.where(bad, torch.nan, scales) * g
+    return v.reshape(x.shape).float()
 
 
 def _mx_float8(x: torch.Tensor, bf, axis: int, rule: str) -> torch.Tensor:

@@ -7,11 +7,13 @@ projections) becomes three quantized GEMMs, as TransformerEngine runs them:
 
     forward        y  = Qf(x) @ Qf(W)^T (+ b)
     input grad     dx = Qb(g) @ Qf'(W)
-    weight grad    dW = Qb(g)^T @ Qf'(x)
+    weight grad    dW = Qb'(g^T) @ Qf'(x^T)^T
 
-``Qf`` / ``Qb`` quantize-dequantize to the recipe's forward / backward format; ``Qf'`` is the same
-tensor blocked along the other GEMM dimension for block formats (TE keeps a row-wise and a
-column-wise copy) and the forward cast itself for per-tensor scaling and NVFP4's 16x16 weight blocks.
+``Qf`` / ``Qb`` quantize-dequantize to the recipe's forward / backward format; ``Qf'`` / ``Qb'`` are the
+same tensors blocked along the other GEMM dimension for block formats (TE keeps a row-wise and a
+column-wise copy; here the transposed tensor is blocked along its last axis, the same blocks, and
+stochastic rounding indexes the transposed tensor's elements) and the forward casts themselves for
+per-tensor scaling and NVFP4's 16x16 weight blocks.
 A GEMM the recipe leaves unquantized takes its operands as they are. Products run in the recipe's
 compute dtype (bf16 or fp32), and so does everything else (``torch.autocast``); layers in the keep
 list (by default the first and last ``nn.Linear``) compute as bf16-mixed.
@@ -153,14 +155,16 @@ class _QuantizedLinear(torch.autograd.Function):
             gq, w_op = g2, weight
             if wanted[0]:  # g blocked along N; W along its output dimension N (the dgrad GEMM's K)
                 gq = quantizer(g2, layer, "grad", axis=-1) if block else once
-                w_op = quantizer(weight, layer, "weight", axis=0) if block and not r.weight_2d else wq
+                w_op = wq
+                if block and not r.weight_2d:  # W^T blocked along its last axis: the same blocks
+                    w_op = quantizer(weight.t(), layer, "weight", axis=-1).t()
             dx = (gq.to(compute) @ w_op.to(compute)).reshape(x.shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            gq, x_op = g2, x2
-            if wanted[1]:  # g and x blocked along the batch (the wgrad GEMM's K)
-                gq = quantizer(g2, layer, "grad", axis=0) if block else once
-                x_op = quantizer(x2, layer, "input", axis=0) if block else xq.reshape(-1, x.shape[-1])
-            dw = (gq.to(compute).t() @ x_op.to(compute)).to(w_dtype)
+            gt, xt = g2.t(), x2.t()  # the wgrad GEMM dW = g^T x: operands g^T, x^T blocked along M
+            if wanted[1]:
+                gt = quantizer(gt, layer, "grad", axis=-1) if block else once.t()
+                xt = quantizer(xt, layer, "input", axis=-1) if block else xq.reshape(-1, x.shape[-1]).t()
+            dw = (gt.to(compute) @ xt.to(compute).t()).to(w_dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = g2.float().sum(0).to(w_dtype)
         return dx, dw, db, None, None, None
