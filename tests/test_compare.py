@@ -223,3 +223,11 @@ def test_mxnet_is_found_from_any_directory_or_reported_with_how_to_install(tmp_p
     code = main(["compare", "--frameworks", "mxnet", "--mxnet-python", str(tmp_path / "missing"),
                  "--out", str(tmp_path / "out")])  # fmt: skip
     assert code == 2
+
+
+def test_recipes_are_compare_policies_on_torch_and_refused_elsewhere_by_name():
+    cases = runner.plan(frameworks=["torch"], workloads=["digits"],
+                        policies=["bf16-mixed", "MXFP8", "nvfp4:keep=:grad_rounding=nearest"])  # fmt: skip
+    assert [c[2] for c in cases] == ["bf16-mixed", "mxfp8", "nvfp4:keep=:grad_rounding=nearest"]
+    with pytest.raises(PolyampError, match=r"fp8-tensorwise train.*not in jax; pass --frameworks torch"):
+        runner.plan(frameworks=["torch", "jax"], workloads=["digits"], policies=["float32", "fp8-tensorwise"])

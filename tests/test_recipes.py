@@ -301,3 +301,30 @@ def test_a_recipe_on_a_front_end_without_it_is_one_clear_error(framework):
 
     with pytest.raises(PolyampError, match="trains in polyamp's torch front end so far"):
         pa.MixedPrecision("mxfp8", framework=framework)
+
+
+@pytest.mark.parametrize("spec", ["mxfp8", "mxfp8:scale_rule=floor", "nvfp4:keep=:grad_rounding=nearest",
+                                  "fp8-delayed:history_len=16:amax_compute_algo=most_recent",
+                                  "nvfp4:keep=first|blocks*", "fp8-tensorwise:compute_dtype=fp32:margin=2"])
+def test_a_recipe_spelling_round_trips(spec):
+    from polyamp.recipes import parse_recipe, recipe_spec
+
+    r = parse_recipe(spec)
+    assert recipe_spec(r) == spec and parse_recipe(recipe_spec(r)) == r
+    assert "," not in recipe_spec(r)  # fits --policies' comma-separated list
+
+
+def test_recipe_spelling_values_and_errors():
+    from polyamp.recipes import parse_recipe
+
+    assert parse_recipe("nvfp4:keep=").keep == ()
+    assert parse_recipe("nvfp4:hadamard=true").hadamard is True
+    assert parse_recipe("fp8-tensorwise:amax_epsilon=1e-12").amax_epsilon == 1e-12
+    with pytest.raises(PolyampError, match="is not field=value"):
+        parse_recipe("mxfp8:floor")
+    with pytest.raises(PolyampError, match="field of recipe 'mxfp8'"):
+        parse_recipe("mxfp8:rule=floor")
+    with pytest.raises(PolyampError, match="scale_rule"):
+        parse_recipe("mxfp8:scale_rule=round")
+    with pytest.raises(PolyampError, match="unknown recipe"):
+        parse_recipe("mxfp9")
