@@ -156,3 +156,32 @@ def test_the_doctors_report_applies_on_cuda():
         loss = nn.functional.mse_loss(model(x).float(), y)
     mp.backward(loss)
     assert mp.step(opt).stepped
+
+
+@pytest.mark.parametrize("name", ["fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4"])
+def test_recipes_quantize_on_cuda_as_on_the_cpu_and_train(name):
+    from polyamp.recipes import get_recipe
+    from polyamp.torch.recipe import Quantizer
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128, generator=g) * torch.exp2(torch.randint(-20, 20, (64, 1), generator=g).float())
+    on_cpu, on_gpu = Quantizer(get_recipe(name)), Quantizer(get_recipe(name))
+    for operand in ("input", "weight", "grad"):
+        for axis in (-1, 0):
+            a, b = on_cpu(x, "l", operand, axis), on_gpu(x.to(CUDA), "l", operand, axis).cpu()
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+    model = model.to(CUDA)
+    mp = pa.MixedPrecision(name, framework="torch")
+    mp.watch(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches(40):
+        opt.zero_grad()
+        with mp.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        mp.backward(loss)
+        assert mp.step(opt).stepped
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses) and sum(losses[-5:]) < sum(losses[:5])
