@@ -229,5 +229,7 @@ def test_recipes_are_compare_policies_on_torch_and_refused_elsewhere_by_name():
     cases = runner.plan(frameworks=["torch"], workloads=["digits"],
                         policies=["bf16-mixed", "MXFP8", "nvfp4:keep=:grad_rounding=nearest"])  # fmt: skip
     assert [c[2] for c in cases] == ["bf16-mixed", "mxfp8", "nvfp4:keep=:grad_rounding=nearest"]
-    with pytest.raises(PolyampError, match=r"fp8-tensorwise train.*not in jax; pass --frameworks torch"):
-        runner.plan(frameworks=["torch", "jax"], workloads=["digits"], policies=["float32", "fp8-tensorwise"])
+    with pytest.raises(PolyampError, match=r"tensorwise on --frameworks tensorflow: .*not in tensorflow"):
+        runner.plan(frameworks=["jax", "tensorflow"], workloads=["digits"], policies=["fp8-tensorwise"])
+    with pytest.raises(PolyampError, match=r"nvfp4 on --frameworks jax: .*'nvfp4:grad_rounding=nearest'"):
+        runner.plan(frameworks=["torch", "jax"], workloads=["digits"], policies=["nvfp4"])

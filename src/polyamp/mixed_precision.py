@@ -20,7 +20,7 @@ from .errors import PolyampError
 from .frameworks import IDIOMS, canonical_framework, detect, front_end, imported_frameworks
 from .native import from_native, to_native
 from .policy import Policy
-from .recipes import BUILT_ON, RECIPES, Recipe, parse_recipe
+from .recipes import RECIPES, Recipe, parse_recipe, refusal
 from .scaling import PRESETS, DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale, check_loss_scale
 
 
@@ -171,13 +171,10 @@ class MixedPrecision:
         """The front end's own set-up, after the shared fields (validates the device)."""
 
     def _check_recipe(self) -> None:
-        """PolyampError when this front end does not train with recipes yet."""
-        if self.framework is not None and self.framework not in BUILT_ON:
-            raise PolyampError(
-                f"the {self.recipe.name!r} recipe trains in polyamp's {', '.join(BUILT_ON)} front end so "
-                f"far, not in {self.framework}'s; accepted here: the 16-bit policies (bf16-mixed, "
-                "fp16-mixed, ...)"
-            )
+        """PolyampError when this front end does not train with the recipe (yet)."""
+        why = None if self.framework is None else refusal(self.recipe, self.framework)
+        if why is not None:
+            raise PolyampError(why)
 
     def _check_mine(self, obj: Any, what: str) -> None:
         """PolyampError unless ``obj`` is an object of this front end's framework."""

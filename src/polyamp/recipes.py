@@ -41,7 +41,7 @@ from .numerics.formats import FloatFormat
 from .step import is_count, is_number
 
 RECIPES = ("fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4")
-BUILT_ON = ("torch",)  # the front ends whose MixedPrecision trains with a recipe
+BUILT_ON = ("torch", "jax")  # the front ends whose MixedPrecision trains with a recipe
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 KEEP_TOKENS = ("first", "last")
 _FLT_MAX = np.float32(np.finfo(np.float32).max)
@@ -155,6 +155,27 @@ def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
         if field not in names:
             raise invalid(f"field of recipe {base.name!r}", field, names)
     return replace(base, **overrides) if overrides else base
+
+
+def refusal(recipe: Recipe, framework: str) -> str | None:
+    """Why ``framework``'s front end cannot train with ``recipe`` yet, or None when it can."""
+    if framework not in BUILT_ON:
+        return (f"the {recipe.name!r} recipe trains in polyamp's {' and '.join(BUILT_ON)} front ends so far, "
+                f"not in {framework}'s; accepted there: the 16-bit policies (bf16-mixed, fp16-mixed, ...)")
+    if recipe.hadamard:
+        return (f"the nvfp4 recipe's random Hadamard transform (hadamard=True) is not built in polyamp's "
+                f"{framework} front end yet; accepted: hadamard=False")
+    if framework != "jax":
+        return None
+    if recipe.kind == "delayed":
+        return (f"the {recipe.name!r} recipe keeps an amax history that changes every step, which polyamp's "
+                "JAX front end has no place for yet; accepted in JAX: fp8-tensorwise, mxfp8, "
+                "nvfp4:grad_rounding=nearest")
+    if "stochastic" in (recipe.forward_rounding, recipe.grad_rounding):
+        return (f"the {recipe.name!r} recipe rounds stochastically, which needs a new random stream every "
+                "step; polyamp's JAX front end does not thread one through a jitted step yet. Accepted: "
+                f"the same with nearest rounding, e.g. '{recipe.name}:grad_rounding=nearest'")
+    return None
 
 
 def parse_recipe(spec: str) -> Recipe:

@@ -111,19 +111,16 @@ def plan(frameworks=None, workloads=None, policies=None) -> list[tuple[str, str,
             raise PolyampError(f"unknown workload {name!r}; accepted: {', '.join(WORKLOADS)}")
     from ..mixed_precision import recipe_of
     from ..policy import Policy
-    from ..recipes import BUILT_ON, recipe_spec
+    from ..recipes import recipe_spec, refusal
 
     policies = [recipe_spec(recipe_of(p)) if recipe_of(p) else Policy.parse(p).name
                 for p in (policies or DEFAULT_POLICIES)]  # fmt: skip
     policies.sort(key=lambda p: p != "float32")
-    recipes = [p for p in policies if recipe_of(p)]
-    elsewhere = [f for f in frameworks if f not in BUILT_ON]
-    if recipes and elsewhere:
-        raise PolyampError(
-            f"the recipe{'s' if len(recipes) > 1 else ''} {', '.join(recipes)} train in polyamp's "
-            f"{', '.join(BUILT_ON)} front end so far, not in {', '.join(elsewhere)}; pass --frameworks "
-            f"{','.join(BUILT_ON)} to compare them"
-        )
+    for policy in policies:
+        for framework in frameworks if recipe_of(policy) else ():
+            why = refusal(recipe_of(policy), framework)
+            if why is not None:
+                raise PolyampError(f"--policies {policy} on --frameworks {framework}: {why}")
     return [(f, w, p) for f in frameworks for w in workloads for p in policies]
 
 

@@ -63,10 +63,12 @@ class MixedPrecision(_Base):
                     f"policy {policy.name!r} needs float64, which JAX disables by default; set "
                     "jax.config.update('jax_enable_x64', True) first, or use float32/bf16-mixed/fp16-mixed"
                 )
-        if not (enabled and policy.compute_dtype in ("bfloat16", "float16")):
+        if not enabled or (self.recipe is None and policy.compute_dtype not in ("bfloat16", "float16")):
             return fn
-        _check_device_supports(policy.compute_dtype)
-        return _autocast.autocast(fn, policy.compute_dtype, policy.output_dtype, rules, self.keep_fp32)
+        if policy.compute_dtype != "float32":
+            _check_device_supports(policy.compute_dtype)
+        return _autocast.autocast(fn, policy.compute_dtype, policy.output_dtype, rules, self.keep_fp32,
+                                  self.recipe)  # fmt: skip
 
     def __getattr__(self, name: str):
         if name in ("backward", "step", "apply"):  # the eager and Keras steps

@@ -52,7 +52,7 @@ from jax.extend import core as jcore
 
 from ..errors import PolyampError
 from ..mixed_precision import kept, unmatched_layers
-from . import layout
+from . import layout, recipe
 from .scopes import leaf_name, name_scopes, scope_paths
 
 _REDUCTIONS = ("reduce_sum reduce_prod reduce_max reduce_min argmax argmin cumsum cumprod cumlogsumexp "
@@ -194,11 +194,13 @@ class Interpreter:
     """Evaluates jaxprs with the autocast rules for one compute and output dtype."""
 
     def __init__(self, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES,
-                 keep_fp32: tuple[str, ...] = ()):  # fmt: skip
+                 keep_fp32: tuple[str, ...] = (), recipe=None):  # fmt: skip
         self.compute = jnp.dtype(compute)
         self.output = jnp.dtype(output)
         self.rules = rules
         self.keep_fp32 = tuple(keep_fp32)
+        self.recipe = recipe  # a polyamp.recipes.Recipe: dense matmuls quantized (recipe.py)
+        self.recipe_kept: set[str] = set()  # the scope paths the recipe's keep list keeps, per call
         self.leaves: dict[int, str] = {}  # id of an argument leaf's value -> its name, during one call
         self.read_outside: dict[str, None] = {}  # the names of those that equations outside any scope read
 
@@ -257,6 +259,10 @@ class Interpreter:
             _warn_unknown(name)
             kind = "original"
         if kind == "allow":
+            if self.recipe is not None and scope is not None and recipe.eligible(eqn) and (
+                    "/".join(scope) not in self.recipe_kept):  # fmt: skip
+                fn = recipe.dot(self.recipe, self.compute, self.output, _F32)
+                return [fn(*invals)]
             return self._allow(eqn, invals)
         if kind == "keep_fp32":
             invals = [_cast(x, _F32) if _is_float(_dtype(x)) and _dtype(x).itemsize < 4 else x
@@ -457,16 +463,17 @@ def check_arguments(fn, rules) -> None:
 
 
 def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES,
-             keep_fp32: tuple[str, ...] = ()):  # fmt: skip
+             keep_fp32: tuple[str, ...] = (), training_recipe=None):  # fmt: skip
     """``fn`` rewritten so each primitive runs under ``rules`` (see the module docstring), the
-    equations under the ``keep_fp32`` scopes in float32.
+    equations under the ``keep_fp32`` scopes in float32, the dense matmuls quantized by
+    ``training_recipe`` (a ``polyamp.recipes.Recipe``; ``recipe.py``) outside its keep list.
 
     The result traces ``fn`` with ``jax.make_jaxpr`` on every call (inside ``jit`` that is once
     per compilation), evaluates the jaxpr with the rules, and casts each output back to the dtype
     ``fn`` returns, so a float32 loss stays float32.
     """
     check_arguments(fn, rules)
-    interpreter = Interpreter(compute, output, rules, keep_fp32)
+    interpreter = Interpreter(compute, output, rules, keep_fp32, training_recipe)
 
     @functools.wraps(fn)
     def autocast_fn(*args, **kwargs):
@@ -477,6 +484,8 @@ def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES
             return fn(*a, **k)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+        if training_recipe is not None:
+            interpreter.recipe_kept = recipe.kept_layers(closed.jaxpr, training_recipe.keep)
         if keep_fp32:  # each leaf named within its argument, as the doctor names params
             paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
             named = zip(leaves, (leaf_name(path[2:]) for path, _ in paths))

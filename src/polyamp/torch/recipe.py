@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import PolyampError
-from ..numerics import BLOCK_FORMATS, get_format
+from ..numerics import get_format
 from ..recipes import DelayedScaling, Recipe
 from .quantize import quantize, quantize_blocks
 
@@ -245,13 +245,3 @@ def autocast(quantizer: Quantizer, layers: LayerStack, device: str):
             stack.enter_context(torch.autocast(device.split(":")[0], dtype=compute))
         stack.enter_context(RecipeMode(quantizer, layers, compute))
         yield
-
-
-def check_recipe(recipe: Recipe) -> None:
-    """PolyampError for a recipe setting this front end does not run."""
-    if recipe.hadamard:
-        raise PolyampError("the nvfp4 recipe's random Hadamard transform (hadamard=True) is not built in "
-                           "polyamp's torch front end yet; accepted: hadamard=False")  # fmt: skip
-    for fmt in (recipe.forward_format, recipe.backward_format):
-        if recipe.kind == "block" and fmt not in BLOCK_FORMATS:
-            raise PolyampError(f"unknown block format {fmt!r}")
