@@ -14,6 +14,7 @@ from torch import nn
 from polyamp import PolyampError
 from polyamp.doctor import KINDS, N_BINS, LogHistogram, Observation, update_ratio_histogram
 from polyamp.torch import binning as torch_binning
+from polyamp.torch import binning_device
 from polyamp.torch import doctor as torch_doctor
 from polyamp.torch.binning import histogram, ratio_histogram
 from polyamp.torch.doctor import collect
@@ -54,7 +55,7 @@ def path(request, monkeypatch):
     if request.param == "torch ops":
         monkeypatch.setattr(torch_binning, "_COMPILED_MIN", 1 << 62)
     elif request.param == "device ops":
-        monkeypatch.setattr(torch_binning, "_on_accelerator", lambda x: True)
+        monkeypatch.setattr(binning_device, "on_accelerator", lambda x: True)
     else:
         if torch_binning._kernel_module() is None:
             if os.environ.get("POLYAMP_REQUIRE_NUMBA") == "1":

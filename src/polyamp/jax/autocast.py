@@ -199,8 +199,7 @@ class Interpreter:
         self.output = jnp.dtype(output)
         self.rules = rules
         self.keep_fp32 = tuple(keep_fp32)
-        self.recipe = recipe  # a polyamp.recipes.Recipe: dense matmuls quantized (recipe.py)
-        self.recipe_kept: set[str] = set()  # the scope paths the recipe's keep list keeps, per call
+        self.recipe, self.recipe_kept = recipe, set()  # dense matmuls quantized but in these scopes
         self.leaves: dict[int, str] = {}  # id of an argument leaf's value -> its name, during one call
         self.read_outside: dict[str, None] = {}  # the names of those that equations outside any scope read
 
@@ -259,11 +258,8 @@ class Interpreter:
             _warn_unknown(name)
             kind = "original"
         if kind == "allow":
-            if self.recipe is not None and scope is not None and recipe.eligible(eqn) and (
-                    "/".join(scope) not in self.recipe_kept):  # fmt: skip
-                fn = recipe.dot(self.recipe, self.compute, self.output, _F32)
-                return [fn(*invals)]
-            return self._allow(eqn, invals)
+            quantized = recipe.quantized(self, eqn, invals, scope)
+            return self._allow(eqn, invals) if quantized is None else quantized
         if kind == "keep_fp32":
             invals = [_cast(x, _F32) if _is_float(_dtype(x)) and _dtype(x).itemsize < 4 else x
                       for x in invals]  # fmt: skip
@@ -465,8 +461,7 @@ def check_arguments(fn, rules) -> None:
 def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES,
              keep_fp32: tuple[str, ...] = (), training_recipe=None):  # fmt: skip
     """``fn`` rewritten so each primitive runs under ``rules`` (see the module docstring), the
-    equations under the ``keep_fp32`` scopes in float32, the dense matmuls quantized by
-    ``training_recipe`` (a ``polyamp.recipes.Recipe``; ``recipe.py``) outside its keep list.
+    equations under the ``keep_fp32`` scopes in float32, dense matmuls as ``training_recipe`` says.
 
     The result traces ``fn`` with ``jax.make_jaxpr`` on every call (inside ``jit`` that is once
     per compilation), evaluates the jaxpr with the rules, and casts each output back to the dtype

@@ -87,6 +87,15 @@ def eligible(eqn) -> bool:
     return floating and dense and rhs.ndim == 2 and lhs.ndim >= 1
 
 
+def quantized(interpreter, eqn, invals, scope) -> list | None:
+    """The outputs of ``eqn`` run as the interpreter's recipe says, or None where it leaves ``eqn`` to the
+    policy: no recipe, not a dense matmul, a kept scope, or a transpose a custom VJP traces (no scope)."""
+    r = interpreter.recipe
+    if r is None or scope is None or not eligible(eqn) or "/".join(scope) in interpreter.recipe_kept:
+        return None
+    return [dot(r, interpreter.compute, interpreter.output, _F32)(*invals)]
+
+
 def dot(recipe: Recipe, compute, output, preferred):
     """``x @ w`` with the recipe's three quantized GEMMs (module docstring), products in ``compute``
     accumulated in ``preferred`` (float32), the result in ``output``."""

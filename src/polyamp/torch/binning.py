@@ -18,8 +18,10 @@ formed as above. An update ratio
 non-finite u or w (read from the weight's histogram) or a ratio outside float32's normal range are
 located, by rows first (``_locate``), replaced in d by a regular element and binned in float64 with
 ``torch.frexp``, as float64 tensors are. Results equal ``LogHistogram.of(t.cpu().numpy())``
-(``update_ratio_histogram``) exactly; each is checked once per layer and kind (``merged``); on CUDA each
-tapped tensor costs a few small host reads.
+(``update_ratio_histogram``) exactly; each is checked once per layer and kind (``merged``). A large
+float32 CPU tensor goes to the compiled kernel instead when numba is there (``doctor/_bin_kernel.py``,
+one pass where it lies); a tensor on an accelerator is binned there and read back with all the others
+at the end (``binning_device.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 from ..doctor import vector
 from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram
 from ..errors import PolyampError
+from . import binning_device as on_device
 
 _MASK, _INF, _NORMAL, _ONE = 0x7FFFFFFF, 0x7F800000, 0x00800000, 0x3F800000
 _SHIFT = 23 - (SUB.bit_length() - 1)  # a >> _SHIFT = SUB * biased exponent + k (SUB a power of two)
@@ -49,8 +52,6 @@ _LARGE = 1 << 20  # from this many elements on, a CPU tensor's keys are int16 (`
 _SPLIT = 1 << 21  # the fewest keys worth a thread of their own (fewer run slower split, on this CPU)
 _ROW = 1 << 12  # elements per row when looking for a few elements (``_locate``, ``_extreme``, ``_lowest``)
 _TINY = float(np.finfo(np.float32).tiny)
-_RATIO_OFFSET = -SUB * B_MIN + 1  # ratio index - ((pseudo(u) >> _SHIFT) - (E(w) << 23 >> _SHIFT))
-_BIG = 1 << 62  # above every ratio key
 _COMPILED_MIN = 1 << 15  # from this many elements on, a float32 CPU tensor goes to the compiled kernel
 
 
@@ -109,8 +110,8 @@ def binned(t: torch.Tensor, scratch: Scratch | None) -> Part:
         return _ratio64(x, None)
     if not _narrow(x.dtype):
         raise PolyampError(f"cannot bin a {x.dtype} tensor; accepted: floating-point dtypes (real)")
-    if _on_accelerator(x):
-        return _device_values(x.float())
+    if on_device.on_accelerator(x):
+        return on_device.values(x.float()) if x.numel() else _empty()
     kernel = _compiled(x)
     if kernel is not None:
         return _from_vector(kernel.values(x.float().numpy()), ratio=False)
@@ -133,8 +134,8 @@ def ratio_binned(update: torch.Tensor, weight: torch.Tensor, scratch: Scratch | 
         return _ratio64(u.double(), w.double())
     if not u.numel():
         return _empty()
-    if _on_accelerator(u):
-        return _device_ratio(u.float(), w.float())
+    if on_device.on_accelerator(u):
+        return on_device.ratio(u.float(), w.float())
     with _scratch(scratch) as scratch:
         u, w = u.float(), w.float()
         au = torch.bitwise_and(u.view(torch.int32), _MASK, out=scratch("u", u.numel(), torch.int32, u.device))
@@ -147,8 +148,10 @@ def weight_and_ratio(after: torch.Tensor, before: torch.Tensor) -> tuple[Part, P
     one shape in one pass of the compiled kernel, tensors on an accelerator there (``Pending``); None
     where neither applies (no numba, another dtype, a small tensor)."""
     w, p = before.detach().reshape(-1), after.detach().reshape(-1)
-    if _on_accelerator(w) and _narrow(w.dtype) and p.dtype == w.dtype:
-        return _device_values(w.float()), _device_ratio((p - w).float(), w.float())
+    if on_device.on_accelerator(w) and _narrow(w.dtype) and p.dtype == w.dtype:
+        if not w.numel():
+            return _empty(), _empty()
+        return on_device.values(w.float()), on_device.ratio((p - w).float(), w.float())
     kernel = _compiled(w)
     if kernel is None or w.dtype != torch.float32 or p.dtype != torch.float32 or p.shape != w.shape:
         return None
@@ -181,74 +184,13 @@ def _from_vector(v: np.ndarray, ratio: bool) -> Part:
     return Part(**vector.fields(v, ratio))
 
 
-def _on_accelerator(x: torch.Tensor) -> bool:
-    """Binned where it is, read back once per ``collect`` (``Pending``): a tensor not in host memory."""
-    return x.device.type != "cpu"
-
-
-class Pending(NamedTuple):
-    """A binning still on its device (no host read yet): its vector (``doctor/vector.py``)."""
-
-    vector: torch.Tensor
-    ratio: bool
-
-
 def settle(parts: list) -> list[Part]:
-    """``parts`` with every ``Pending`` one read back: one transfer per device for all of them."""
-    pending = [p for p in parts if isinstance(p, Pending)]
+    """``parts`` with every ``Pending`` (``binning_device.py``) read back: one transfer per device."""
+    pending = [p for p in parts if isinstance(p, on_device.Pending)]
     if not pending:
         return parts
-    done = {}
-    for device in {p.vector.device for p in pending}:
-        here = [p for p in pending if p.vector.device == device]
-        for p, row in zip(here, torch.stack([p.vector for p in here]).cpu().numpy()):
-            done[id(p)] = _from_vector(row, p.ratio)
-    return [done[id(p)] if isinstance(p, Pending) else p for p in parts]
-
-
-def _pseudo(a: torch.Tensor) -> torch.Tensor:
-    """Non-zero finite float32 magnitude bits ``a`` as ``(E << 23) + f`` with the value ``2^(E - 127) *
-    (1 + f / 2^23)``: ``a`` itself when normal; a subnormal's ``float(a)`` (exact) less 149 binades (E <= 0,
-    still ordered and shifted right as two's complement)."""
-    return torch.where(a < _NORMAL, a.float().view(torch.int32) - (149 << 23), a)
-
-
-def _pending(counts_at: torch.Tensor, keys: torch.Tensor, counted: torch.Tensor, ratio: bool) -> Pending:
-    """The vector of the indices ``counts_at`` (the spec's, or ZEROS / NONFINITE / APART) and the keys of
-    the ``counted`` elements, reduced on the device."""
-    counts = torch.bincount(counts_at, minlength=vector.HIGH)
-    high = torch.where(counted, keys, vector.NONE).amax()
-    big = _INF if keys.dtype == torch.int32 else _BIG  # above every key (magnitude bits, ratio keys)
-    low = torch.where(counted, keys, big).amin()
-    low = torch.where(low == big, vector.NONE, low)
-    return Pending(torch.cat([counts.long(), torch.stack([high, low]).long()]), ratio)
-
-
-def _device_values(x: torch.Tensor) -> Part | Pending:
-    """The histogram of the flat float32 ``x`` on its device, with no host read: each element's index
-    from its pseudo bits (``_pseudo``), one ``bincount``; the extremes over the finite non-zero bits."""
-    if not x.numel():
-        return _empty()
-    a = x.view(torch.int32) & _MASK
-    finite = a < _INF
-    idx = torch.where(a == 0, vector.ZEROS,
-                      torch.where(finite, (_pseudo(a) >> _SHIFT) + _OFFSET, vector.NONFINITE))  # fmt: skip
-    return _pending(idx, a, finite & (a > 0), ratio=False)
-
-
-def _device_ratio(u: torch.Tensor, w: torch.Tensor) -> Part | Pending:
-    """``ratio_histogram`` of the flat float32 ``u``, ``w`` on their device, with no host read: the index
-    of ``|u|`` less ``SUB * b(w)`` from pseudo bits (``_pseudo``), clamped; non-finite u or w, then zero
-    w (apart), then zero u are counted apart; the ratios' keys are ``doctor/vector.py``'s."""
-    if not u.numel():
-        return _empty()
-    au, aw = u.view(torch.int32) & _MASK, w.view(torch.int32) & _MASK
-    pu, ew = _pseudo(au), _pseudo(aw) & ~0x7FFFFF
-    idx = ((pu >> _SHIFT) - (ew >> _SHIFT) + _RATIO_OFFSET).clamp(0, N_BINS - 1)
-    idx = torch.where(aw == 0, vector.APART, torch.where(au == 0, vector.ZEROS, idx))
-    idx = torch.where((au >= _INF) | (aw >= _INF), vector.NONFINITE, idx)
-    keys = pu.long() - ew.long() + vector.KEY_BIAS
-    return _pending(idx, keys, idx < N_BINS, ratio=True)
+    done = {id(p): _from_vector(row, p.ratio) for p, row in zip(pending, on_device.fetch(pending))}
+    return [done.get(id(p), p) for p in parts]
 
 
 class Part(NamedTuple):
@@ -274,7 +216,7 @@ def _combined(parts: list[Part]) -> Part:
     )
 
 
-def merged(parts: list[Part | Pending]) -> LogHistogram:
+def merged(parts: list) -> LogHistogram:
     part = _combined(settle(parts))
     return LogHistogram.from_counts(part.counts, part.zeros, part.nonfinite, part.amax, part.amin_nonzero,
                                     apart=part.apart)  # fmt: skip

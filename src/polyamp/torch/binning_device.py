@@ -1,0 +1,87 @@
+"""The doctor's torch binning on an accelerator: every tensor binned where it is, read back once.
+
+A tensor not in host memory is binned by elementwise ops and one ``bincount`` into the one-vector form
+of ``doctor/vector.py``, left on its device (``Pending``); ``fetch`` reads all of a call's vectors in
+one transfer per device (``binning.settle``). An element's spec index comes from its pseudo bits
+(``pseudo``): a normal float32 magnitude's own bits, a subnormal's normalised; an update ratio's is
+``|u|``'s less ``SUB * b(w)``, clamped to the spec's range, and its key is ``vector.py``'s. Zeros,
+inf/NaN and zero weights (ratios) are counted in the vector's own slots. Exact, as ``binning.py``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..doctor import vector
+from ..doctor.histogram import B_MIN, N_BINS, SUB
+
+_MASK, _INF, _NORMAL = 0x7FFFFFFF, 0x7F800000, 0x00800000
+_SHIFT = 23 - (SUB.bit_length() - 1)  # a >> _SHIFT = SUB * biased exponent + sub-bin
+_OFFSET = SUB * (-127 - B_MIN) + 1  # spec index - key of a normal float32
+_RATIO_OFFSET = -SUB * B_MIN + 1  # ratio index - ((pseudo(u) >> _SHIFT) - (E(w) << 23 >> _SHIFT))
+_BIG = 1 << 62  # above every ratio key
+
+
+def on_accelerator(x: torch.Tensor) -> bool:
+    """Binned where it is, read back once per ``collect``: a tensor not in host memory."""
+    return x.device.type != "cpu"
+
+
+class Pending(NamedTuple):
+    """A binning still on its device: its vector (``doctor/vector.py``), and whether it is of ratios."""
+
+    vector: torch.Tensor
+    ratio: bool
+
+
+def fetch(pending: list[Pending]) -> list[np.ndarray]:
+    """The vectors of ``pending`` on the host, in order: one transfer per device."""
+    out: dict[int, np.ndarray] = {}
+    for device in {p.vector.device for p in pending}:
+        here = [i for i, p in enumerate(pending) if p.vector.device == device]
+        rows = torch.stack([pending[i].vector for i in here]).cpu().numpy()
+        out.update(zip(here, rows))
+    return [out[i] for i in range(len(pending))]
+
+
+def pseudo(a: torch.Tensor) -> torch.Tensor:
+    """Non-zero finite float32 magnitude bits ``a`` as ``(E << 23) + f`` with the value ``2^(E - 127) *
+    (1 + f / 2^23)``: ``a`` itself when normal; a subnormal's ``float(a)`` (exact) less 149 binades (E <= 0,
+    still ordered and shifted right as two's complement)."""
+    return torch.where(a < _NORMAL, a.float().view(torch.int32) - (149 << 23), a)
+
+
+def values(x: torch.Tensor) -> Pending:
+    """The histogram of the flat, non-empty float32 ``x``: each element's index from its pseudo bits,
+    one ``bincount``; the extremes over the finite non-zero bits."""
+    a = x.view(torch.int32) & _MASK
+    finite = a < _INF
+    idx = torch.where(a == 0, vector.ZEROS,
+                      torch.where(finite, (pseudo(a) >> _SHIFT) + _OFFSET, vector.NONFINITE))  # fmt: skip
+    return _pending(idx, a, finite & (a > 0), ratio=False)
+
+
+def ratio(u: torch.Tensor, w: torch.Tensor) -> Pending:
+    """``ratio_histogram`` of the flat, non-empty float32 ``u``, ``w``: the index of ``|u|`` less ``SUB *
+    b(w)``, clamped; non-finite u or w, then zero w (apart), then zero u counted apart."""
+    au, aw = u.view(torch.int32) & _MASK, w.view(torch.int32) & _MASK
+    pu, ew = pseudo(au), pseudo(aw) & ~0x7FFFFF
+    idx = ((pu >> _SHIFT) - (ew >> _SHIFT) + _RATIO_OFFSET).clamp(0, N_BINS - 1)
+    idx = torch.where(aw == 0, vector.APART, torch.where(au == 0, vector.ZEROS, idx))
+    idx = torch.where((au >= _INF) | (aw >= _INF), vector.NONFINITE, idx)
+    keys = pu.long() - ew.long() + vector.KEY_BIAS
+    return _pending(idx, keys, idx < N_BINS, ratio=True)
+
+
+def _pending(counts_at: torch.Tensor, keys: torch.Tensor, counted: torch.Tensor, ratio: bool) -> Pending:
+    """The vector of the indices ``counts_at`` (the spec's, or ZEROS / NONFINITE / APART) and the keys of
+    the ``counted`` elements, reduced on the device."""
+    counts = torch.bincount(counts_at, minlength=vector.HIGH)
+    high = torch.where(counted, keys, vector.NONE).amax()
+    big = _INF if keys.dtype == torch.int32 else _BIG  # above every key (magnitude bits, ratio keys)
+    low = torch.where(counted, keys, big).amin()
+    low = torch.where(low == big, vector.NONE, low)
+    return Pending(torch.cat([counts.long(), torch.stack([high, low]).long()]), ratio)
