@@ -74,16 +74,19 @@ class Quantizer:
                                    rounding=rounding, seed=seed)  # fmt: skip
         x32 = x.detach().float()
         amax = x32.abs().amax() if x32.numel() else x32.new_zeros(())
-        if r.kind == "delayed":
-            ds = self.delayed.get((layer, operand))
-            if ds is None:
-                ds = self.delayed[layer, operand] = DelayedScaling(
-                    fmt, r.history_len, r.amax_compute_algo, r.margin)  # fmt: skip
+        if r.kind == "delayed":  # the scale from the history, then this amax into it (a host read)
+            ds = self.delayed.get((layer, operand)) or self._history(layer, operand)
             scale = torch.tensor(float(ds.scale), dtype=torch.float32, device=x.device)
             out = _tensorwise(x32, fmt, scale, rounding, seed)
             ds.update(float(amax))
             return out
         return _tensorwise(x32, fmt, current_scale(amax, fmt, r.margin, r.amax_epsilon), rounding, seed)
+
+    def _history(self, layer: str, operand: str) -> DelayedScaling:
+        r = self.recipe
+        fmt = r.backward_format if operand == "grad" else r.forward_format
+        ds = self.delayed[layer, operand] = DelayedScaling(fmt, r.history_len, r.amax_compute_algo, r.margin)
+        return ds
 
     def state_dict(self) -> dict[str, Any]:
         """The delayed-scaling states (``"layer|operand" -> DelayedScaling.state_dict()``), the counter."""
@@ -93,15 +96,15 @@ class Quantizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or set(state) != {"calls", "delayed"}:
             raise PolyampError(f"a recipe state must be Quantizer.state_dict()'s dict; received {state!r}")
-        delayed = {}
-        r = self.recipe
-        for key, value in state["delayed"].items():
-            layer, _, operand = key.rpartition("|")
-            fmt = r.backward_format if operand == "grad" else r.forward_format
-            ds = DelayedScaling(fmt, r.history_len, r.amax_compute_algo, r.margin)
-            ds.load_state_dict(value)
-            delayed[layer, operand] = ds
-        self.delayed, self.calls = delayed, int(state["calls"])
+        before = self.delayed, self.calls
+        self.delayed, self.calls = {}, int(state["calls"])
+        try:
+            for key, value in state["delayed"].items():
+                layer, _, operand = key.rpartition("|")
+                self._history(layer, operand).load_state_dict(value)
+        except BaseException:  # a bad entry leaves the state as it was
+            self.delayed, self.calls = before
+            raise
 
 
 def current_scale(amax: torch.Tensor, fmt: str, margin: int = 0, eps: float = 0.0) -> torch.Tensor:
