@@ -36,13 +36,22 @@ class MixedPrecision(EagerMixedPrecision):
             self._quantizer = Quantizer(self.recipe)
 
     def watch(self, model: Any) -> Any:
-        model = super().watch(model)
-        if self._quantizer is not None:
+        layers = None
+        if self._quantizer is not None:  # the keep list checked before anything is installed
             from .recipe import LayerStack
 
+            self._check_mine(model, "model")
+            layers = LayerStack(model, self.recipe.keep)
+        try:
+            model = super().watch(model)
+        except BaseException:
+            if layers is not None:
+                layers.remove()
+            raise
+        if layers is not None:
             if self._layers is not None:
                 self._layers.remove()
-            self._layers = LayerStack(model, self.recipe.keep)
+            self._layers = layers
         return model
 
     def autocast(self, *, device: str | None = None, enabled: bool = True):

@@ -198,6 +198,8 @@ class LayerStack:
     ``nn.Linear`` in ``named_modules`` order, other entries ``fnmatch`` patterns."""
 
     def __init__(self, model: torch.nn.Module, keep: tuple[str, ...]):
+        if not isinstance(model, torch.nn.Module):
+            raise PolyampError(f"expected a torch.nn.Module, got {type(model).__name__}")
         modules = [(n, m) for n, m in model.named_modules() if n]
         linears = [n for n, m in modules if isinstance(m, torch.nn.Linear)]
         self.kept: set[str] = set()
