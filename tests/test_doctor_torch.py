@@ -614,3 +614,16 @@ def test_fp8_tensors_are_widened_exactly():
         assert histogram(t) == reference(t.float())
     with pytest.raises(PolyampError, match="cannot bin a torch.int32 tensor"):
         histogram(torch.ones(3, dtype=torch.int32))
+
+
+def test_batched_binning_on_an_accelerator_equals_the_core_tensor_by_tensor():
+    """``binning_device.values_many`` / ``ratio_many`` (one set of kernels for many tensors), run here on
+    CPU tensors: each tensor's vector is its own histogram."""
+    xs = [wide(1000, torch.float32, 1), special_values(torch.float32), torch.zeros(3),
+          wide(4097, torch.float16, 2), torch.tensor([5e-42])]  # fmt: skip
+    for x, part in zip(xs, binning_device.values_many(xs)):
+        assert torch_binning.merged([part]) == reference(x)
+    ws = [wide(500, torch.float32, 3), torch.tensor([0.0, 1.0, math.inf, 1e-41, 3e38, 2.0])]
+    us = [wide(500, torch.float32, 4) * 1e-3, torch.tensor([1.0, 0.0, 1.0, 1e30, 1e-30, math.nan])]
+    for u, w, part in zip(us, ws, binning_device.ratio_many(us, ws)):
+        assert torch_binning.merged([part]) == update_ratio_histogram(u.numpy(), w.numpy())

@@ -143,15 +143,44 @@ def ratio_binned(update: torch.Tensor, weight: torch.Tensor, scratch: Scratch | 
         return ratio_bits(au, e, w, scratch)
 
 
+def binned_many(tensors: list[torch.Tensor], scratch: Scratch | None) -> list:
+    """``binned`` of each tensor; those on an accelerator (non-empty, float32 or narrower) in one batch
+    per device (``binning_device.values_many``: ``Pending``, read back by ``settle``)."""
+    out: list = [None] * len(tensors)
+    batches: dict = {}
+    for i, t in enumerate(tensors):
+        if on_device.on_accelerator(t) and _narrow(t.dtype) and t.numel():
+            batches.setdefault(t.device, []).append(i)
+        else:
+            out[i] = binned(t, scratch)
+    for idx in batches.values():
+        for i, part in zip(idx, on_device.values_many([tensors[i].detach() for i in idx])):
+            out[i] = part
+    return out
+
+
+def updates_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
+    """For each ``(after, before)``: the histograms of ``before`` and of the update ratio of ``after -
+    before`` (the update in their dtype), batched per device for tensors on an accelerator (non-empty,
+    one float32-or-narrower dtype); None for the others."""
+    out: list = [None] * len(pairs)
+    batches: dict = {}
+    for i, (p, w) in enumerate(pairs):
+        if on_device.on_accelerator(w) and _narrow(w.dtype) and p.dtype == w.dtype and w.numel():
+            batches.setdefault(w.device, []).append(i)
+    for idx in batches.values():
+        ws = [pairs[i][1].detach() for i in idx]
+        us = [pairs[i][0].detach() - w for i, w in zip(idx, ws)]
+        for i, weight, ratio in zip(idx, on_device.values_many(ws), on_device.ratio_many(us, ws)):
+            out[i] = (weight, ratio)
+    return out
+
+
 def weight_and_ratio(after: torch.Tensor, before: torch.Tensor) -> tuple[Part, Part] | None:
-    """The histograms of ``before`` and of the update ratio of ``after - before``: float32 CPU tensors of
-    one shape in one pass of the compiled kernel, tensors on an accelerator there (``Pending``); None
-    where neither applies (no numba, another dtype, a small tensor)."""
+    """The histograms of ``before`` and of the update ratio of ``after - before`` (float32 CPU tensors of
+    one shape) in one pass of the compiled kernel; None where it does not apply (no numba, another
+    dtype or device, a small tensor)."""
     w, p = before.detach().reshape(-1), after.detach().reshape(-1)
-    if on_device.on_accelerator(w) and _narrow(w.dtype) and p.dtype == w.dtype:
-        if not w.numel():
-            return _empty(), _empty()
-        return on_device.values(w.float()), on_device.ratio((p - w).float(), w.float())
     kernel = _compiled(w)
     if kernel is None or w.dtype != torch.float32 or p.dtype != torch.float32 or p.shape != w.shape:
         return None

@@ -55,33 +55,63 @@ def pseudo(a: torch.Tensor) -> torch.Tensor:
 
 
 def values(x: torch.Tensor) -> Pending:
-    """The histogram of the flat, non-empty float32 ``x``: each element's index from its pseudo bits,
-    one ``bincount``; the extremes over the finite non-zero bits."""
-    a = x.view(torch.int32) & _MASK
-    finite = a < _INF
-    idx = torch.where(a == 0, vector.ZEROS,
-                      torch.where(finite, (pseudo(a) >> _SHIFT) + _OFFSET, vector.NONFINITE))  # fmt: skip
-    return _pending(idx, a, finite & (a > 0), ratio=False)
+    """The histogram of the flat, non-empty float32 ``x`` (``values_many`` of one tensor)."""
+    return values_many([x])[0]
 
 
 def ratio(u: torch.Tensor, w: torch.Tensor) -> Pending:
-    """``ratio_histogram`` of the flat, non-empty float32 ``u``, ``w``: the index of ``|u|`` less ``SUB *
-    b(w)``, clamped; non-finite u or w, then zero w (apart), then zero u counted apart."""
+    """``ratio_histogram`` of the flat, non-empty float32 ``u``, ``w`` (``ratio_many`` of one pair)."""
+    return ratio_many([u], [w])[0]
+
+
+def values_many(xs: list[torch.Tensor]) -> list[Pending]:
+    """The histograms of non-empty floating tensors of one device, with one set of kernels for all (a
+    launch-bound step has many small tensors): concatenated as float32, each element's index from its
+    pseudo bits plus its tensor's slot, one ``bincount``; the extremes over the finite non-zero bits."""
+    flat, seg = _concat(xs)
+    a = flat.view(torch.int32) & _MASK
+    finite = a < _INF
+    idx = torch.where(a == 0, vector.ZEROS,
+                      torch.where(finite, (pseudo(a) >> _SHIFT) + _OFFSET, vector.NONFINITE))  # fmt: skip
+    return _pending(idx, a, finite & (a > 0), seg, len(xs), ratio=False)
+
+
+def ratio_many(us: list[torch.Tensor], ws: list[torch.Tensor]) -> list[Pending]:
+    """``ratio_histogram`` of each pair of non-empty floating ``us``, ``ws`` (same shapes), one set of
+    kernels for all: the index of ``|u|`` less ``SUB * b(w)``, clamped; non-finite u or w, then zero w
+    (apart), then zero u counted apart."""
+    (u, seg), (w, _) = _concat(us), _concat(ws)
     au, aw = u.view(torch.int32) & _MASK, w.view(torch.int32) & _MASK
     pu, ew = pseudo(au), pseudo(aw) & ~0x7FFFFF
     idx = ((pu >> _SHIFT) - (ew >> _SHIFT) + _RATIO_OFFSET).clamp(0, N_BINS - 1)
     idx = torch.where(aw == 0, vector.APART, torch.where(au == 0, vector.ZEROS, idx))
     idx = torch.where((au >= _INF) | (aw >= _INF), vector.NONFINITE, idx)
     keys = pu.long() - ew.long() + vector.KEY_BIAS
-    return _pending(idx, keys, idx < N_BINS, ratio=True)
+    return _pending(idx, keys, idx < N_BINS, seg, len(us), ratio=True)
 
 
-def _pending(counts_at: torch.Tensor, keys: torch.Tensor, counted: torch.Tensor, ratio: bool) -> Pending:
-    """The vector of the indices ``counts_at`` (the spec's, or ZEROS / NONFINITE / APART) and the keys of
-    the ``counted`` elements, reduced on the device."""
-    counts = torch.bincount(counts_at, minlength=vector.HIGH)
-    high = torch.where(counted, keys, vector.NONE).amax()
+def _concat(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tensors flat, as one float32 tensor, and each element's tensor index (None for one tensor)."""
+    if len(xs) == 1:
+        return xs[0].reshape(-1).float(), None
+    flat = torch.cat([x.reshape(-1).float() for x in xs])
+    sizes = torch.tensor([x.numel() for x in xs], device=flat.device)
+    return flat, torch.repeat_interleave(torch.arange(len(xs), device=flat.device), sizes,
+                                         output_size=flat.numel())  # fmt: skip
+
+
+def _pending(counts_at, keys, counted, seg, k: int, ratio: bool) -> list[Pending]:
+    """The vectors of ``k`` tensors from their elements' indices ``counts_at`` (the spec's, or ZEROS /
+    NONFINITE / APART) and the keys of the ``counted`` elements, ``seg`` the tensor of each (None: one)."""
     big = _INF if keys.dtype == torch.int32 else _BIG  # above every key (magnitude bits, ratio keys)
-    low = torch.where(counted, keys, big).amin()
+    high, low = torch.where(counted, keys, vector.NONE), torch.where(counted, keys, big)
+    if seg is None:
+        counts = torch.bincount(counts_at, minlength=vector.HIGH)[None]
+        high, low = high.amax()[None], low.amin()[None]
+    else:
+        counts = torch.bincount(counts_at + seg * vector.HIGH, minlength=k * vector.HIGH).view(k, vector.HIGH)
+        high = high.new_full((k,), vector.NONE).scatter_reduce_(0, seg, high, "amax")
+        low = low.new_full((k,), big).scatter_reduce_(0, seg, low, "amin")
     low = torch.where(low == big, vector.NONE, low)
-    return Pending(torch.cat([counts.long(), torch.stack([high, low]).long()]), ratio)
+    rows = torch.cat([counts.long(), high.long()[:, None], low.long()[:, None]], 1)
+    return [Pending(row, ratio) for row in rows]

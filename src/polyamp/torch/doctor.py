@@ -40,7 +40,8 @@ from ..doctor.taps import leaves as _leaves
 from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
-from .binning import Part, Scratch, binned, merged, ratio_binned, ratio_bits, settle, weight_and_ratio
+from . import binning as _binning
+from .binning import Part, Scratch, binned, binned_many, merged, ratio_binned, ratio_bits, settle
 
 _MASK, _INF = 0x7FFFFFFF, 0x7F800000
 
@@ -75,21 +76,21 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
             for step in range(steps):
                 for p in params:
                     p.grad = None
-                for name, _, ps in layers:  # a stepped parameter's weight is binned with its update
-                    found[name, "weight"] += [binned(p, scratch) for p in ps if id(p) not in stepped]
+                unstepped = [(n, p) for n, _, ps in layers for p in ps if id(p) not in stepped]
+                _bin_into(found, "weight", unstepped, scratch)  # a stepped one's is binned with its update
                 _loss(model, batch, loss_fn).backward()
-                for name, _, ps in layers:
-                    grads_now = [p.grad for p in ps if p.grad is not None]
-                    found[name, "grad_weight"] += [binned(g, scratch) for g in grads_now]
+                _bin_into(found, "grad_weight", [(n, p.grad) for n, _, ps in layers for p in ps
+                                                 if p.grad is not None], scratch)  # fmt: skip
                 if optimizer is None:
                     continue
                 optimizer.step()
                 last = step + 1 == steps  # then gradients and working values are spare memory
-                for name, _, ps in layers:
-                    for p in [p for p in ps if id(p) in stepped]:
-                        weight, update = _update(p, before[id(p)], scratch, spare(p) if last else ())
-                        found[name, "weight"].append(weight)
-                        found[name, "update_ratio"].append(update)
+                now = [(n, p) for n, _, ps in layers for p in ps if id(p) in stepped]
+                batched = _binning.updates_many([(p, before[id(p)]) for _, p in now])
+                for (name, p), both in zip(now, batched):
+                    weight, update = both or _update(p, before[id(p)], scratch, spare(p) if last else ())
+                    found[name, "weight"].append(weight)
+                    found[name, "update_ratio"].append(update)
                 if step + 1 < steps:  # later steps start from a copy (the originals stay as they are)
                     before = {id(p): _copy(p) if step == 0 else before[id(p)].copy_(p.detach())
                               for p in opt_params}  # fmt: skip
@@ -113,6 +114,12 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
     found = {key: [next(flat) for _ in found[key]] for key in keys}
     return [Observation(name, kind, merged(found[name, kind]))
             for name, _, _ in layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
+
+
+def _bin_into(found, kind: str, named: list, scratch: Scratch) -> None:
+    """Bin each ``(layer, tensor)`` of ``named`` into ``found[layer, kind]`` (``binned_many``)."""
+    for (name, _), part in zip(named, binned_many([t for _, t in named], scratch)):
+        found[name, kind].append(part)
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -180,7 +187,7 @@ def _update(p: torch.Tensor, before: torch.Tensor, scratch: Scratch, spare: tupl
     one pass of the compiled kernel where it applies (``weight_and_ratio``); else the update and the
     weight's exponent bits go into ``spare`` tensors (memory nothing reads any more: the
     last step's gradient and working value) where they fit, else into scratch."""
-    both = weight_and_ratio(p, before)
+    both = _binning.weight_and_ratio(p, before)
     if both is not None:
         return both
     w = before.reshape(-1)
