@@ -144,12 +144,12 @@ def ratio_binned(update: torch.Tensor, weight: torch.Tensor, scratch: Scratch | 
 
 
 def binned_many(tensors: list[torch.Tensor], scratch: Scratch | None) -> list:
-    """``binned`` of each tensor; those on an accelerator (non-empty, float32 or narrower) in one batch
-    per device (``binning_device.values_many``: ``Pending``, read back by ``settle``)."""
+    """``binned`` of each tensor; the small ones on an accelerator (``binning_device.batched``, float32 or
+    narrower) in one batch per device (``binning_device.values_many``: ``Pending``, read by ``settle``)."""
     out: list = [None] * len(tensors)
     batches: dict = {}
     for i, t in enumerate(tensors):
-        if on_device.on_accelerator(t) and _narrow(t.dtype) and t.numel():
+        if on_device.batched(t) and _narrow(t.dtype):
             batches.setdefault(t.device, []).append(i)
         else:
             out[i] = binned(t, scratch)
@@ -161,12 +161,12 @@ def binned_many(tensors: list[torch.Tensor], scratch: Scratch | None) -> list:
 
 def updates_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
     """For each ``(after, before)``: the histograms of ``before`` and of the update ratio of ``after -
-    before`` (the update in their dtype), batched per device for tensors on an accelerator (non-empty,
-    one float32-or-narrower dtype); None for the others."""
+    before`` (the update in their dtype), batched per device for small tensors on an accelerator
+    (``binning_device.batched``, one float32-or-narrower dtype); None for the others."""
     out: list = [None] * len(pairs)
     batches: dict = {}
     for i, (p, w) in enumerate(pairs):
-        if on_device.on_accelerator(w) and _narrow(w.dtype) and p.dtype == w.dtype and w.numel():
+        if on_device.batched(w) and _narrow(w.dtype) and p.dtype == w.dtype:
             batches.setdefault(w.device, []).append(i)
     for idx in batches.values():
         ws = [pairs[i][1].detach() for i in idx]
@@ -177,10 +177,14 @@ def updates_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
 
 
 def weight_and_ratio(after: torch.Tensor, before: torch.Tensor) -> tuple[Part, Part] | None:
-    """The histograms of ``before`` and of the update ratio of ``after - before`` (float32 CPU tensors of
-    one shape) in one pass of the compiled kernel; None where it does not apply (no numba, another
-    dtype or device, a small tensor)."""
+    """The histograms of ``before`` and of the update ratio of ``after - before``: float32 CPU tensors of
+    one shape in one pass of the compiled kernel, tensors on an accelerator there (``Pending``); None
+    where neither applies (no numba, another dtype, a small tensor)."""
     w, p = before.detach().reshape(-1), after.detach().reshape(-1)
+    if on_device.on_accelerator(w) and _narrow(w.dtype) and p.dtype == w.dtype:
+        if not w.numel():
+            return _empty(), _empty()
+        return on_device.values(w.float()), on_device.ratio((p - w).float(), w.float())
     kernel = _compiled(w)
     if kernel is None or w.dtype != torch.float32 or p.dtype != torch.float32 or p.shape != w.shape:
         return None

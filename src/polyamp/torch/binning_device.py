@@ -25,9 +25,20 @@ _RATIO_OFFSET = -SUB * B_MIN + 1  # ratio index - ((pseudo(u) >> _SHIFT) - (E(w)
 _BIG = 1 << 62  # above every ratio key
 
 
+_BATCH_MAX = 1 << 20  # fewer elements than this: binned with a call's other small tensors
+
+
 def on_accelerator(x: torch.Tensor) -> bool:
     """Binned where it is, read back once per ``collect``: a tensor not in host memory."""
     return x.device.type != "cpu"
+
+
+def batched(x: torch.Tensor) -> bool:
+    """Binned in a batch (``values_many``, ``ratio_many``): a small non-empty tensor on an accelerator.
+    A large one goes alone: batched, its elements' per-tensor extremes (``scatter_reduce``) and the
+    batch's ``bincount`` over many slots contend on a few memory words (on an H200 a batch of the mlp
+    workload's 25M parameters cost 7-10x binning them one by one; docs/BENCHMARKS.md, "GPU run")."""
+    return on_accelerator(x) and 0 < x.numel() < _BATCH_MAX
 
 
 class Pending(NamedTuple):
