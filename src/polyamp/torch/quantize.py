@@ -153,12 +153,14 @@ def _mx_float8(x: torch.Tensor, bf, axis: int, rule: str) -> torch.Tensor:
     subnormal, and torch's float8 cast rounds as ``_round`` does), then ``element * 2^k``, exact."""
     moved = torch.movedim(x.float(), axis, -1)
     blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // bf.block, bf.block)
-    amax = blocks.abs().amax(-1)  # NaN wins
+    amax = torch.maximum(-blocks.amin(-1), blocks.amax(-1))  # no |x| tensor, faster than aminmax; NaN wins
     bad = ~torch.isfinite(amax)
     k = _mx_exponent(torch.where(bad, 0.0, amax).double(), bf.element, rule)
     fmax = float(bf.element.max)
     scaled = blocks * _pow2(-k).float().unsqueeze(-1)
-    elements = scaled.clamp_(-fmax, fmax).to(_FLOAT8[bf.element.name]).float()
+    if rule not in ("rceil", "ceil"):  # these put every finite block's amax at or below the max
+        scaled.clamp_(-fmax, fmax)
+    elements = scaled.to(_FLOAT8[bf.element.name]).float()
     v = elements.mul_(torch.where(bad, torch.nan, _pow2(k).float()).unsqueeze(-1))
     return torch.movedim(v.reshape(moved.shape), -1, axis)
 
