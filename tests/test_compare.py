@@ -225,11 +225,11 @@ def test_mxnet_is_found_from_any_directory_or_reported_with_how_to_install(tmp_p
     assert code == 2
 
 
-def test_recipes_are_compare_policies_on_torch_and_refused_elsewhere_by_name():
-    cases = runner.plan(frameworks=["torch"], workloads=["digits"],
-                        policies=["bf16-mixed", "MXFP8", "nvfp4:keep=:grad_rounding=nearest"])  # fmt: skip
-    assert [c[2] for c in cases] == ["bf16-mixed", "mxfp8", "nvfp4:keep=:grad_rounding=nearest"]
-    with pytest.raises(PolyampError, match=r"tensorwise on --frameworks tensorflow: .*not in tensorflow"):
-        runner.plan(frameworks=["jax", "tensorflow"], workloads=["digits"], policies=["fp8-tensorwise"])
-    with pytest.raises(PolyampError, match=r"nvfp4 on --frameworks jax: .*'nvfp4:grad_rounding=nearest'"):
-        runner.plan(frameworks=["torch", "jax"], workloads=["digits"], policies=["nvfp4"])
+def test_recipes_are_compare_policies_on_every_framework_and_what_one_lacks_is_refused_by_name():
+    frameworks = ["torch", "tensorflow", "jax", "mxnet"]
+    policies = ["bf16-mixed", "MXFP8", "nvfp4:keep=:grad_rounding=nearest", "fp8-delayed"]
+    cases = runner.plan(frameworks=frameworks, workloads=["digits"], policies=policies)
+    assert {c[2] for c in cases} == {"bf16-mixed", "mxfp8", *policies[2:]}
+    assert {c[0] for c in cases} == set(frameworks) and len(cases) == 16
+    with pytest.raises(PolyampError, match=r"hadamard=true on --frameworks tensorflow: .*Hadamard"):
+        runner.plan(frameworks=frameworks, workloads=["digits"], policies=["nvfp4:hadamard=true"])

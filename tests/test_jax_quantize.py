@@ -158,9 +158,51 @@ def test_nvfp4_blocks_match_core(dtype):
         same_bits(pa.quantize_blocks(jnp.asarray(zeros), "nvfp4"), pa.quantize_blocks(zeros, "nvfp4"))
 
 
+def nvfp4_edges() -> list[np.ndarray]:
+    """float32 arrays for NVFP4's edges: s_global 1 with blocks of amax 6, 9 and 6.375 (s_block 1, 1.5 and the
+    e4m3 tie 1.0625 -> 1) holding the e2m1 midpoints times s_block; a full 24-bit s_global with float32
+    neighbours of those products; a bad block whose finite element sets s_global; s_global tiny (2^-149,
+    subnormal) and near float32's max; random bit patterns; zeros and -0; NaN; a partial block."""
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 3.0, 4.0, 0.0, 1.0, 2.0, 0.1, 4.5, 5.5])
+    ties = np.zeros((48, 32))
+    for i, (s, top) in enumerate([(1.0, 6.0), (1.5, 9.0), (1.0, 6.375)] * 16):
+        ties[i, :16] = np.where(np.arange(16) % 2, -1, 1) * mids * s
+        ties[i, 16:] = -mids[::-1] * s
+        ties[i, 15] = top
+    ties[47, 31] = 2688.0
+    g = np.float64(np.float32(2688 * (1 + 3 * 2.0**-23)) / 2688)  # amax / 2688, float32, 24 bits
+    near = np.outer(np.ones(32), np.append(mids, 6)[:16] * float(np.float32(g))).astype(np.float32)
+    near[1::3] = np.nextafter(near[1::3], np.float32(np.inf))
+    near[2::3] = np.nextafter(near[2::3], np.float32(0))
+    near[0, 0] = np.float32(2688 * (1 + 3 * 2.0**-23))
+    bad = np.ones((32, 32))
+    bad[0, :2], bad[20, 7] = [np.inf, 1e30], np.nan
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 1 << 32, (32, 48), dtype=np.uint64).astype(np.uint32).view(np.float32)
+    out = [ties, near, bad, raw, rng.standard_normal((32, 32)) * 1e-44, rng.standard_normal((32, 32)) * 1e-36,
+           rng.standard_normal((32, 32)) * 3e38, np.where(np.arange(32 * 32).reshape(32, 32) % 3, 0.0, -0.0),
+           np.full((16, 16), np.nan), block_sample(np.float32)]  # fmt: skip
+    with np.errstate(over="ignore"):
+        return [a.astype(np.float32) for a in out]
+
+
+def test_nvfp4_nearest_float32_edges_match_core():
+    """NVFP4's ties, scale ties and global-scale edges (``nvfp4_edges``): every axis and tile layout."""
+    cases = [(16, -1), (16, 0), ((16, 16), (-2, -1)), ((16, 16), (1, 0))]
+    for x in nvfp4_edges():
+        xj = jnp.asarray(x)
+        for block, axis in cases:
+            same_bits(pa.quantize_blocks(xj, "nvfp4", axis=axis, block=block),
+                      pa.quantize_blocks(x, "nvfp4", axis=axis, block=block))  # fmt: skip
+    cube = nvfp4_edges()[3].reshape(2, 16, 48)
+    for block, axis in ((16, 1), ((16, 16), (0, 2)), ((16, 16), (2, 1))):
+        same_bits(pa.quantize_blocks(jnp.asarray(cube), "nvfp4", axis=axis, block=block),
+                  pa.quantize_blocks(cube, "nvfp4", axis=axis, block=block))  # fmt: skip
+
+
 def test_blocks_float64_match_core():
     x = block_sample(np.float64, shape=(20, 48))
-    x[7, :3] = [1e-310, 1e300, -2.0**-1074]
+    x[7, :3] = [1e-310, 1e300, -(2.0**-1074)]
     with jax.enable_x64(True):
         xj = jnp.asarray(x)
         for fmt in (*MX, "nvfp4"):

@@ -143,25 +143,80 @@ def test_quantize_blocks_matches_core(fmt, rule, mode):
             assert_same(tq.quantize_blocks(to_torch(xx), fmt, axis, block, rule, mode, seed), core)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
-@pytest.mark.parametrize("rule", ["floor", "rceil", "ceil", "even"])
-def test_whole_fp8_blocks_take_the_float32_path_and_match_the_core(fmt, rule, monkeypatch):
-    """Whole blocks of fp8 elements, rounded to nearest, no wider than float32: torch's float8 casts."""
+def tile_sets():
+    """Arrays of whole 32 x 32 tiles: ``block_data``'s specials, those rows scaled by 2^-100 and 2^60
+    (inf in float32); NVFP4 ties (a global amax of 2688 makes s_global 1; blocks of amax 6, 9 and 6.375
+    give s_block 1, 1.5 and the e4m3 tie 1.0625 -> 1, holding the e2m1 midpoints times s_block); raw
+    float32 bit patterns; a bad block whose finite element is the tensor's largest (it alone sets
+    s_global); amaxes whose s_global underflows to 2^-149 or nears float32's max; zeros and NaNs."""
+    x = block_data((64, 96))
+    mixed = np.concatenate([x, x[:32] * 2.0**-100, x[:32] * 2.0**60], axis=0)
+    mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 3.0, 4.0, 0.0, 1.0, 2.0, 0.1, 4.5, 5.5])
+    ties = np.zeros((64, 64))
+    for i, (s, top) in enumerate([(1.0, 6.0), (1.5, 9.0), (1.0, 6.375)] * 21):
+        ties[i, :16] = np.where(np.arange(16) % 2, -1, 1) * mids * s
+        ties[i, 16:32] = -mids[::-1] * s
+        ties[i, 15] = top
+    ties[63, 63] = 2688.0
+    raw = random_float32(64 * 64, seed=3).reshape(64, 64)
+    bad = np.ones((64, 64))
+    bad[0, 0], bad[0, 1], bad[40, 3] = np.inf, 1e30, np.nan
+    tiny = np.random.default_rng(4).standard_normal((32, 64)) * 1e-44
+    huge = np.random.default_rng(5).standard_normal((32, 64)) * 1e38
+    zeros = np.zeros((32, 32))
+    zeros[::2] = -0.0
+    return [mixed, ties, raw, bad, tiny, huge, zeros, np.full((32, 32), np.nan)]
+
+
+def tile_layouts(fmt):
+    """(make the tensor from a 2-D array, the numpy array it holds, axis, block): contiguous, transposed
+    (``p.t()`` of a contiguous p), 3-d; blocks along either axis, and NVFP4's 16 x 16 tiles."""
+    plain = (lambda a: to_torch(a), lambda a: a)
+    flip = (lambda a: to_torch(a).t(), lambda a: a.T)
+    cube = (lambda a: to_torch(a).reshape(2, -1, a.shape[1]), lambda a: a.reshape(2, -1, a.shape[1]))
+    out = [(*plain, -1, None), (*plain, 0, None), (*flip, -1, None), (*flip, 0, None), (*cube, -1, None)]
+    if fmt == "nvfp4":
+        out += [(*plain, (0, 1), (16, 16)), (*flip, (1, 0), (16, 16)), (*cube, (-2, -1), (16, 16))]
+    return out
+
+
+@pytest.mark.parametrize(
+    "fmt,rule,mode", [(*c, "nearest") for c in BLOCK_CASES] + [("nvfp4", None, "stochastic")]
+)
+@pytest.mark.parametrize("chunk", [None, 64 * 16])
+def test_whole_tiles_take_the_fast_path_and_match_the_core(fmt, rule, mode, chunk, monkeypatch):
+    """x no wider than float32 in whole blocks of a (possibly transposed) contiguous tensor: ``_mx_plane``
+    (nearest) and ``_nvfp4_plane`` match the core on every layout; a small chunk makes many passes."""
+    if chunk:
+        monkeypatch.setattr(tq, "_PLANE_CHUNK", chunk)
     taken = []
-    original = tq._mx_float8
-    monkeypatch.setattr(tq, "_mx_float8", lambda *a: taken.append(a[2]) or original(*a))
-    x = block_data((37, 70))[:, :64]  # ties, NaN/inf/zero/tiny/huge rows; whole blocks along axis 1
-    x = np.concatenate([x, x[:27] * 2.0**-100], axis=0)  # 64 rows: whole blocks along axis 0 too
-    for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
-        with np.errstate(over="ignore"):
-            xx = x.astype(dtype)
-        for axis in (-1, 0):
-            core = np_quantize_blocks(xx, fmt, axis, None, rule)
-            assert_same(tq.quantize_blocks(to_torch(xx), fmt, axis, None, rule), core)
-    assert taken == [1, 0] * 3
-    tq.quantize_blocks(to_torch(x), fmt, -1, None, rule, "stochastic", 3)  # not this path
-    tq.quantize_blocks(to_torch(x[:, :40]), fmt, -1, None, rule)  # a partial block: not this path
-    assert len(taken) == 6
+    for name in ("_mx_plane", "_nvfp4_plane"):
+        original = getattr(tq, name)
+        monkeypatch.setattr(tq, name, lambda *a, f=original: taken.append(1) or f(*a))
+    seed = 2**64 - 7 if mode == "stochastic" else None
+    calls = 0
+    for data in tile_sets():
+        for dtype in (np.float32, np.float16, ml_dtypes.bfloat16):
+            with np.errstate(over="ignore"):
+                xx = data.astype(dtype)
+            for make, view, axis, block in tile_layouts(fmt):
+                core = np_quantize_blocks(view(xx), fmt, axis, block, rule, mode, seed)
+                assert_same(tq.quantize_blocks(make(xx), fmt, axis, block, rule, mode, seed), core)
+                calls += 1
+    assert len(taken) == calls
+
+
+def test_other_blocks_take_the_general_path(monkeypatch):
+    taken = []
+    for name in ("_mx_plane", "_nvfp4_plane"):
+        monkeypatch.setattr(tq, name, lambda *a: taken.append(1))
+    x = to_torch(block_data((64, 96)).astype(np.float32))
+    tq.quantize_blocks(x[:, :40], "mxfp8_e4m3")  # a partial block
+    tq.quantize_blocks(x, "mxfp8_e4m3", rounding="stochastic", seed=1)
+    tq.quantize_blocks(x.double(), "nvfp4")
+    tq.quantize_blocks(x.reshape(2, 32, 96).permute(1, 0, 2), "nvfp4")  # neither contiguous nor a .t()
+    tq.quantize_blocks(x[:40], "nvfp4", axis=0)
+    assert taken == []
 
 
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
@@ -171,7 +226,7 @@ def test_blocks_3d_partial_and_float64_extremes(fmt):
     x[0, 0, :] = [1e308] * 35
     x[1, 1, :] = 5e-324
     block = (16, 16) if fmt == "nvfp4" else None
-    for axis in ([(0, 2), (2, 1)] if fmt == "nvfp4" else [0, 1, 2]):
+    for axis in [(0, 2), (2, 1)] if fmt == "nvfp4" else [0, 1, 2]:
         core = np_quantize_blocks(x, fmt, axis, block)
         assert_same(tq.quantize_blocks(to_torch(x), fmt, axis, block), core)
     for x in (np.zeros((2, 16)), np.full((2, 16), np.nan), np.array([[np.inf] * 16, [1.0] * 16])):

@@ -13,7 +13,9 @@ from torch import nn
 
 import polyamp as pa
 from polyamp import PolyampError, recipes
+from polyamp.numerics import hadamard as core_hadamard
 from polyamp.torch import recipe as tr
+from polyamp.torch.hadamard import hadamard_tiles
 
 RECIPE_NAMES = list(recipes.RECIPES)
 
@@ -157,6 +159,119 @@ def test_unquantized_gemms_take_their_operands_as_they_are():
     assert torch.equal(x.grad, gy @ w.detach()) and torch.equal(w.grad, gy.t() @ x.detach())
 
 
+# -- NVFP4's random Hadamard transform on the weight-gradient operands ------------------------------
+HADAMARD_SHAPES = [(1, 16), (3, 37), (2, 1), (4, 15), (5, 17), (2, 64), (3, 100), (0, 20), (4, 0)]
+
+
+@pytest.mark.parametrize("shape", HADAMARD_SHAPES)
+def test_hadamard_tiles_equals_the_core(shape):
+    n = math.prod(shape)
+    x = specials(max(n, 6), seed=sum(shape))[:n].reshape(shape)
+    for t in (x, x.t(), x.unsqueeze(0).expand(2, *shape)):  # contiguous, transposed view, broadcast
+        for axis in range(-t.dim(), t.dim()):
+            got = hadamard_tiles(t, axis=axis)
+            want = core_hadamard.hadamard_tiles(t.numpy(), axis=axis)
+            assert got.dtype == torch.float32 and same(got, want), (tuple(t.shape), axis)
+
+
+def test_hadamard_tiles_dtypes_and_ranges():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 70, generator=g, dtype=torch.float64) * 1e3
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        t = x.to(dtype)
+        assert same(hadamard_tiles(t), core_hadamard.hadamard_tiles(t.float().numpy()))
+    tiny, big = 2.0**-149, float(np.finfo(np.float32).max)
+    for fill in (tiny, -tiny, 2.0**-130, 2.0**120, big, 0.0, -0.0):
+        t = torch.full((2, 16), fill) * torch.tensor([1.0, -1.0]).repeat(8)
+        assert same(hadamard_tiles(t), core_hadamard.hadamard_tiles(t.numpy())), fill
+    w = torch.randn(4, 20, requires_grad=True)
+    assert not hadamard_tiles(w).requires_grad
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.arange(16), r"received a torch.int64 tensor of shape \(16,\)"),
+        (torch.tensor(1.0), r"received a torch.float32 tensor of shape \(\)"),
+        (torch.ones(16, dtype=torch.complex64), r"received a torch.complex64 tensor"),
+        (np.ones(16, np.float32), r"float64 tensor of 1 or more dimensions; received ndarray"),
+    ],
+)
+def test_hadamard_tiles_errors(bad, match):
+    with pytest.raises(PolyampError, match=match):
+        hadamard_tiles(bad)
+    for axis in (2, -3, 1.0, True):
+        with pytest.raises(PolyampError, match=r"not an axis of a 2-d tensor; accepted: integers in \["):
+            hadamard_tiles(torch.ones(2, 16), axis=axis)
+
+
+@pytest.mark.parametrize("m", [16, 37, 64, 5])
+def test_hadamard_leaves_the_wgrad_product_unchanged_without_quantization(m):
+    """``H`` is orthogonal: the transformed operands' product is ``g^T x`` up to float32 rounding."""
+    g = torch.Generator().manual_seed(m)
+    gt, xt = torch.randn(24, m, generator=g), torch.randn(40, m, generator=g)
+    got = (hadamard_tiles(gt).double() @ hadamard_tiles(xt).double().t()).numpy()
+    want = (gt.double() @ xt.double().t()).numpy()
+    bound = 8 * 2.0**-24 * (gt.double().abs() @ xt.double().abs().t()).numpy()
+    assert (np.abs(got - want) <= bound).all()
+    assert not np.array_equal(hadamard_tiles(gt)[:, :m].numpy(), gt.numpy())  # it did transform them
+
+
+@pytest.mark.parametrize("tokens", [(32,), (37,), (3, 7), (5,)])
+def test_hadamard_wgrad_is_the_gemm_of_core_transformed_quantized_operands(tokens):
+    r = recipes.get_recipe("nvfp4", keep=(), grad_rounding="nearest", compute_dtype="fp32", hadamard=True)
+    g = torch.Generator().manual_seed(sum(tokens))
+    x = torch.randn(*tokens, 48, generator=g, requires_grad=True)
+    w = torch.randn(64, 48, generator=g, requires_grad=True)
+    gy = torch.randn(*tokens, 64, generator=g)
+    y = tr._QuantizedLinear.apply(x, w, None, tr.Quantizer(r), "l", torch.float32)
+    y.backward(gy)
+
+    def q(t: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(pa.quantize_blocks(t, "nvfp4"), np.float32))
+
+    x2, g2 = x.detach().reshape(-1, 48).numpy(), gy.reshape(-1, 64).numpy()
+    gt = q(core_hadamard.hadamard_tiles(g2.T))  # along M, padded to a multiple of 16
+    xt = q(core_hadamard.hadamard_tiles(x2.T))
+    assert gt.shape[1] == -(-x2.shape[0] // 16) * 16
+    assert torch.equal(w.grad, gt @ xt.t())
+    # the forward and the input gradient are those of plain nvfp4
+    x0, w0 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    plain = recipes.get_recipe(r, hadamard=False)
+    y0 = tr._QuantizedLinear.apply(x0, w0, None, tr.Quantizer(plain), "l", torch.float32)
+    y0.backward(gy)
+    assert torch.equal(y, y0) and torch.equal(x.grad, x0.grad) and not torch.equal(w.grad, w0.grad)
+
+
+def test_hadamard_applies_only_where_the_wgrad_gemm_is_quantized():
+    r = recipes.get_recipe("nvfp4", keep=(), compute_dtype="fp32", hadamard=True, quantize_weight_grad=False)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(20, 16, generator=g, requires_grad=True)
+    w = torch.randn(8, 16, generator=g, requires_grad=True)
+    gy = torch.randn(20, 8, generator=g)
+    tr._QuantizedLinear.apply(x, w, None, tr.Quantizer(r), "l", torch.float32).backward(gy)
+    assert torch.equal(w.grad, gy.t() @ x.detach())
+
+
+def test_nvfp4_with_hadamard_trains_from_its_spelling():
+    model = mlp()
+    mp = pa.MixedPrecision("nvfp4:hadamard=true", framework="torch", device="cpu")
+    assert mp.recipe.hadamard and recipes.refusal(mp.recipe, "torch") is None
+    mp.watch(model)
+    losses, _ = train(model, mp, 60)
+    ref = mlp()
+    plain = pa.MixedPrecision("nvfp4", framework="torch", device="cpu")
+    plain.watch(ref)
+    train(ref, plain, 60)
+    assert np.mean(losses[-10:]) < 0.2 * losses[0]
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    saved = json.loads(json.dumps(mp.state_dict()))
+    assert saved["recipe"]["name"] == "nvfp4:hadamard=true" and "hadamard=true" in repr(mp)
+    with pytest.raises(PolyampError, match=r"saved with recipe 'nvfp4:hadamard=true', this run uses 'nvfp4'"):
+        plain.load_state_dict(saved)  # the overrides are part of the recipe a checkpoint names
+    plain.load_state_dict(plain.state_dict())
+
+
 # -- MixedPrecision with a recipe --------------------------------------------------------------------
 def layer_inputs(model, mp, x):
     """Per nn.Linear, whether the matmul it ran saw quantized operands (a recorded F.linear call)."""
@@ -251,8 +366,6 @@ def test_delayed_scaling_resumes_bit_identically_from_a_json_checkpoint():
 def test_recipe_errors():
     with pytest.raises(PolyampError, match="call mp.watch"):
         pa.MixedPrecision("fp8-tensorwise", framework="torch", device="cpu").autocast()
-    with pytest.raises(PolyampError, match="Hadamard"):
-        pa.MixedPrecision(recipes.get_recipe("nvfp4", hadamard=True), framework="torch", device="cpu")
     with pytest.raises(PolyampError, match="matches no module"):
         pa.MixedPrecision(recipes.get_recipe("mxfp8", keep=("nope*",)), framework="torch").watch(mlp())
     with pytest.raises(PolyampError, match="precision policy"):

@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frameworks", help="comma-separated (default: all four; one not installed gets rows "
                    "that say how to install it)")  # fmt: skip
     p.add_argument("--workloads", help="comma-separated: mlp, charlm, digits (default: all)")
-    p.add_argument("--policies", help="comma-separated (default: float32,bf16-mixed,fp16-mixed); torch and "
-                   "JAX also take the training recipes fp8-tensorwise, fp8-delayed, mxfp8, nvfp4, with "
-                   "overrides as name:field=value (docs/recipes.md)")  # fmt: skip
+    p.add_argument("--policies", help="comma-separated (default: float32,bf16-mixed,fp16-mixed), and the "
+                   "training recipes fp8-tensorwise, fp8-delayed, mxfp8, nvfp4, with overrides as "
+                   "name:field=value (docs/recipes.md)")  # fmt: skip
     p.add_argument("--steps", type=_steps, help="training steps per case, >= 1 (default: per workload)")
     p.add_argument("--quick", action="store_true", help="a smoke check: tiny sizes, 4 steps, one process per "
                    "framework; its timings are not findings")  # fmt: skip

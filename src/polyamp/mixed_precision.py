@@ -20,7 +20,7 @@ from .errors import PolyampError
 from .frameworks import IDIOMS, canonical_framework, detect, front_end, imported_frameworks
 from .native import from_native, to_native
 from .policy import Policy
-from .recipes import RECIPES, Recipe, parse_recipe, refusal
+from .recipes import RECIPES, Recipe, parse_recipe, recipe_spec, refusal
 from .scaling import PRESETS, DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale, check_loss_scale
 
 
@@ -117,8 +117,9 @@ class MixedPrecision:
     records where a NaN/inf first appears (after ``mp.watch(model)``).
     ``policy`` may also name a low-precision training recipe (``"fp8-tensorwise"``, ``"fp8-delayed"``,
     ``"mxfp8"``, ``"nvfp4"``, or a ``polyamp.recipes.Recipe``): the matmuls' operands are then
-    quantized as the recipe says and everything computes in its compute dtype (torch so far; after
-    ``mp.watch(model)``; ``mp.recipe`` holds it).
+    quantized as the recipe says and everything computes in its compute dtype (every front
+    end; torch, Keras and MXNet after ``mp.watch(model)``, JAX in ``mp.autocast(loss_fn)``; ``mp.recipe``
+    holds it).
     ``keep_fp32`` names layers that compute in float32 under a 16-bit policy (``polyamp.doctor``'s
     recommendation): a name keeps the layer of that name and every layer below it ("blocks.2" keeps
     "blocks.2.fc"; see ``kept``). Torch, Keras and MXNet apply it at ``mp.watch(model)``, which
@@ -253,9 +254,20 @@ class MixedPrecision:
             f"MixedPrecision per framework: MixedPrecision({self.policy.name!r}, framework={owner!r})"
         )
 
+    def _saved_recipe(self, state: Any) -> dict | None:
+        """A checkpoint's ``"recipe"`` entry (``{"name": recipe_spec, "state": ...}``, or None); a
+        PolyampError when it was saved under another recipe (spelling, overrides included) than this run's."""
+        saved = state.get("recipe") if isinstance(state, dict) else None
+        ours = recipe_spec(self.recipe) if self.recipe is not None else None
+        theirs = (saved or {}).get("name")
+        if theirs != ours and isinstance(state, dict) and "policy" in state:
+            raise PolyampError(f"the checkpoint was saved with recipe {theirs!r}, this run uses {ours!r}; "
+                               "create MixedPrecision with the checkpoint's to resume it")  # fmt: skip
+        return saved
+
     def __repr__(self) -> str:
         keep = f", keep_fp32={self.keep_fp32!r}" if self.keep_fp32 else ""
-        name = self.recipe.name if self.recipe is not None else self.policy.name
+        name = recipe_spec(self.recipe) if self.recipe is not None else self.policy.name
         return (f"MixedPrecision({name!r}, framework={self.framework!r}, "
                 f"scale={self.current_scale:g}{keep})")  # fmt: skip
 

@@ -41,7 +41,7 @@ from .numerics.formats import FloatFormat
 from .step import is_count, is_number
 
 RECIPES = ("fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4")
-BUILT_ON = ("torch", "jax")  # the front ends whose MixedPrecision trains with a recipe
+BUILT_ON = ("torch", "tensorflow", "jax", "mxnet")  # the front ends whose MixedPrecision trains with a recipe
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 KEEP_TOKENS = ("first", "last")
 _FLT_MAX = np.float32(np.finfo(np.float32).max)
@@ -161,19 +161,11 @@ def refusal(recipe: Recipe, framework: str) -> str | None:
     """Why ``framework``'s front end cannot train with ``recipe`` yet, or None when it can."""
     name = repr(recipe.name)
     if framework not in BUILT_ON:
-        return (f"the {name} recipe trains in polyamp's {' and '.join(BUILT_ON)} front ends so far, not in "
+        return (f"the {name} recipe trains in polyamp's {', '.join(BUILT_ON)} front ends so far, not in "
                 f"{framework}'s; accepted there: the 16-bit policies (bf16-mixed, fp16-mixed, ...)")
-    if recipe.hadamard:
+    if recipe.hadamard and framework not in ("torch", "jax"):
         return (f"the nvfp4 recipe's random Hadamard transform (hadamard=True) is not built in polyamp's "
                 f"{framework} front end yet; accepted: hadamard=False")
-    if framework == "jax" and recipe.kind == "delayed":
-        return (f"the {name} recipe keeps an amax history that changes every step, which polyamp's JAX "
-                "front end has no place for yet; accepted in JAX: fp8-tensorwise, mxfp8, "
-                "nvfp4:grad_rounding=nearest")
-    if framework == "jax" and "stochastic" in (recipe.forward_rounding, recipe.grad_rounding):
-        return (f"the {name} recipe rounds stochastically, which needs a new random stream every step; "
-                "polyamp's JAX front end does not thread one through a jitted step yet. Accepted: the same "
-                f"with nearest rounding, e.g. '{recipe.name}:grad_rounding=nearest'")
     return None
 
 

@@ -2,7 +2,8 @@
 ``polyamp.MixedPrecision``.
 
 Each network is built from the numpy weights of ``workloads.py`` (a ``Dense`` weight is
-``[out, in]``, so ``W[in, out]`` is stored transposed) and hybridized. The policy is MXNet's own
+``[out, in]``, so ``W[in, out]`` is stored transposed) and hybridized (imperative under a recipe,
+whose quantized Dense GEMMs are an ``mx.autograd.Function``). The policy is MXNet's own
 AMP (``contrib.amp``, process-wide: one case per process suits it); ``MixedPrecision`` calls
 ``amp.init`` before the network is built. fp16-mixed on CPU is reported as unsupported: MXNet's
 float16 FullyConnected exists only with cuDNN. What backward keeps is read from the gradient graph
@@ -218,7 +219,8 @@ class Trainer(TrainerBase):
         self.model = _NETWORKS[wl.architecture](wl)
         self.model.initialize()
         _load(self.model, wl.weights)
-        self.model.hybridize(static_alloc=True, static_shape=True)
+        if self.mp.recipe is None:  # a recipe's quantized Dense layers run imperatively
+            self.model.hybridize(static_alloc=True, static_shape=True)
         self.mp.watch(self.model)
         params = self.model.collect_params()
         self.trainer = self.mp.trainer(gluon.Trainer(params, "adam", {"learning_rate": wl.lr}))
@@ -262,6 +264,10 @@ class Trainer(TrainerBase):
     @property
     def inference_form(self) -> str:
         dtype = self.mp.policy.compute_dtype
+        if self.mp.recipe is not None:
+            return (f"imperative Gluon network outside autograd.record: the {self.mp.recipe.name} recipe's "
+                    f"quantized Dense GEMMs ({self.mp.recipe.compute_dtype} products), the rest under "
+                    f"contrib.amp.init({dtype})")  # fmt: skip
         if dtype == "float32":
             return "hybridized Gluon network outside autograd.record, float32"
         return (f"hybridized Gluon network outside autograd.record under contrib.amp.init({dtype}): "
@@ -285,6 +291,8 @@ class Trainer(TrainerBase):
         return sum(_entry(a)[0] for a in states) if states else None
 
     def _saved(self) -> Saved:
+        if self.mp.recipe is not None:
+            return Saved(None, None, "a recipe's network runs imperatively: no gradient graph to read")
         if not getattr(self.model, "_cached_graph", None):
             self.forward(self.wl.batch_at(0)[0])  # hybridize traces the graph at the first call
         inputs, symbol = self.model._cached_graph

@@ -157,6 +157,8 @@ class Trainer(TrainerBase):
         with self.mp.scope():
             self.model = _NETWORKS[wl.architecture](wl)
         self.model(wl.batch_at(0)[0][:1])  # builds every layer (the blocks' softmax layers too)
+        if self.mp.recipe is not None:  # its Dense layers run the recipe's quantized GEMMs
+            self.mp.watch(self.model)
         self.opt = keras.optimizers.Adam(wl.lr, epsilon=1e-8)
         self.opt.build(self.model.trainable_variables)
         self._train = tf.function(self._train_step)

@@ -4,7 +4,9 @@
 "e4m3fn", "e5m2"), optimizer=None)`` (this package is callable; ``run.diagnose``) returns a ``Report``.
 The numpy core: log2 histograms -> per-format predictions -> recommendations. Framework front ends
 (``polyamp.<framework>.doctor``) bin their tensors on device following ``histogram``'s spec and hand the
-counts to ``LogHistogram.from_counts``; nothing here imports a framework.
+counts to ``LogHistogram.from_counts``; nothing here imports a framework. Block formats and recipes in
+``formats`` (``mxfp8_e4m3``, ``nvfp4``, ``recipe:fp8-tensorwise``, ...) are measured instead: each
+tapped tensor cast and counted (``blocks.py``), shown per row apart from the predictions.
 """
 
 import sys

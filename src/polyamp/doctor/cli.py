@@ -34,7 +34,10 @@ def add_parser(sub) -> None:
     p.add_argument("--framework", help="torch, tensorflow, jax or mxnet (a workload's default: torch; "
                    "a file's: its model's)")  # fmt: skip
     p.add_argument("--steps", type=int, default=1, help="float32 steps observed (default 1)")
-    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help="comma-separated format names")
+    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help="comma-separated: scalar formats "
+                   "(predicted; fp16, bf16, e4m3fn, ...), block formats (measured; mxfp8_e4m3, "
+                   "mxfp8_e4m3:rceil, nvfp4, ...) and recipes (measured; recipe:fp8-tensorwise, "
+                   "recipe:mxfp8, recipe:nvfp4)")  # fmt: skip
     p.add_argument("--no-optimizer", action="store_true", help="observe no update (no lost-update check)")
     p.add_argument("--quick", action="store_true", help="the workload's tiny size (a smoke check)")
     p.add_argument("--top", type=int, default=12, help="rows of the worst-tensors table (default 12)")
@@ -150,4 +153,3 @@ def _status(text: str, quiet: bool):
         return
     with Console(stderr=True).status(text):
         yield
-

@@ -60,7 +60,7 @@ def heatmap(report, path: str | Path) -> Path | None:
     fig = Figure(figsize=(3.6 * ncols + 1.2, max(height, 3.5)), dpi=110)
     FigureCanvasAgg(fig)
     n_strips = len(report.formats)
-    ratios = [0.22 * n_strips, 0.24 * max(len(layers), 4)]
+    ratios = [0.22 * max(n_strips, 1), 0.24 * max(len(layers), 4)]
     axes = fig.subplots(2, ncols, squeeze=False, gridspec_kw={"height_ratios": ratios})
     norm = LogNorm(vmin=1e-4, vmax=1.0)
     image = None
@@ -138,6 +138,9 @@ def _cells(ax, grid, layers, lo, hi, norm):
 
 
 def _strips(ax, formats, lo, hi, shift, labels) -> None:
+    if not formats:  # only measured formats (blocks.py): no strip to draw
+        ax.set_axis_off()
+        return
     for row, name in enumerate(formats):
         s = shift if name in SCALED else 0.0
         for region, a, b in bands(name, s):

@@ -10,7 +10,8 @@ def markdown(report: Report, image: str | None) -> str:
     r = report.recommendation
     out = [f"# polyamp doctor — {report.framework}, `{report.model}`", ""]
     out += [f"{report.steps} float32 step{'s' * (report.steps > 1)} observed in {report.seconds:.2f} s; "
-            f"{len(report.layers)} layers; formats: {', '.join(report.formats)}.", ""]  # fmt: skip
+            f"{len(report.layers)} layers; formats: {', '.join(report.formats)}"
+            f"{'; measured: ' + ', '.join(report.measured) if report.measured else ''}.", ""]  # fmt: skip
     out += ["## Recommendation", "", *[f"- {line}" for line in report.summary().splitlines()[:-1]], "",
             "```python", report.one_liner(), "```", ""]  # fmt: skip
     if r.nonfinite is not None:
@@ -41,7 +42,24 @@ def markdown(report: Report, image: str | None) -> str:
             out.append("")
     for fmt in report.formats:
         out += _format_table(report, fmt, scale)
+    for label in report.measured:
+        out += _measured_table(report, label)
     return "\n".join(out)
+
+
+def _measured_table(report: Report, label: str) -> list[str]:
+    out = [f"## {label} (measured: each tensor cast and counted, not predicted)", "",
+           "| layer | tensor | max abs | underflow | clipped | in inf/NaN blocks | rel. MSE | SQNR dB |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for row in report.rows:
+        m = row.measured.get(label)
+        if m is None:
+            continue
+        mse = "-" if m["rel_mse"] is None else f"{m['rel_mse']:.2g}"
+        db = "-" if m["sqnr_db"] is None else f"{m['sqnr_db']:.1f}"
+        out.append(f"| {row.layer} | {row.kind} | {row.amax:.3g} | {_pct(m['underflow'])} "
+                   f"| {_pct(m['clipped'])} | {_pct(m['spoiled'])} | {mse} | {db} |")  # fmt: skip
+    return [*out, ""]
 
 
 def _format_table(report: Report, fmt: str, scale: float | None) -> list[str]:

@@ -49,11 +49,13 @@ MAX_KEEP_FRACTION = 0.25  # over a quarter of the layers in fp32 leaves little t
 
 @dataclass(frozen=True)
 class Observation:
-    """One tapped tensor: ``kind`` in KINDS; repeated (layer, kind) pairs are merged."""
+    """One tapped tensor: ``kind`` in KINDS; repeated (layer, kind) pairs are merged. ``measured``: the
+    block-format / recipe statistics of its elements by label (``blocks.py``), when any were asked."""
 
     layer: str
     kind: str
     hist: LogHistogram
+    measured: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer, str) or not self.layer:

@@ -9,6 +9,8 @@ Predictions per (layer, tensor kind, format): forward tensors at scale 1; gradie
 format that takes a loss scale, at the recommended one and the usual starts 2^16 and 2^24; updates: the
 share lost in weights stored in each format (``predict.lost_updates``). A gradient's flush is predicted
 for a backward pass run in the format, with the rounding noise of the layers after it (``chain.py``).
+Block formats and recipes (``Report.measured``) are measured, not predicted (``blocks.py``): per row,
+``Row.measured[label]``; the recommendation does not use them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Row:
     zeros: int
     nonfinite: int
     formats: dict[str, dict] = field(default_factory=dict)  # format -> prediction(s)
+    measured: dict[str, dict] = field(default_factory=dict)  # block format / recipe label -> Measured json
 
     def severity(self, fmt: str) -> float:
         """Fraction of elements the format damages: overflow + flush (or lost updates)."""
@@ -63,6 +66,7 @@ class Report:
     rows: tuple[Row, ...]
     seconds: float = 0.0
     model: str = ""
+    measured: tuple[str, ...] = ()  # labels of the measured block formats and recipes (blocks.py)
 
     # -- the recommendation, ready to apply --------------------------------------------------------
     @property
@@ -165,8 +169,10 @@ class Report:
 
     def table(self, n: int = 12) -> str:
         """A fixed-width table of the worst rows: per format overflow % / flush % (lost % for updates);
-        gradients of scaled formats at the recommended loss scale."""
-        head = ["layer", "tensor", "max |x|", *[f"{f} ovf/flush" for f in self.formats]]
+        gradients of scaled formats at the recommended loss scale; per measured label underflow % /
+        clipped %."""
+        head = ["layer", "tensor", "max |x|", *[f"{f} ovf/flush" for f in self.formats],
+                *[f"{m} measured unf/clip" for m in self.measured]]  # fmt: skip
         body = []
         for row in self.worst(n):
             cells = [row.layer, row.kind, f"{row.amax:.3g}"]
@@ -177,6 +183,9 @@ class Report:
                 else:
                     at = p.get("at_recommended_scale") or p
                     cells.append(f"{_pct(at.get('overflow'))} / {_pct(at.get('flush'))}")
+            for m in self.measured:
+                p = row.measured.get(m)
+                cells.append(f"{_pct(p['underflow'])} / {_pct(p['clipped'])}" if p else "-")
             body.append(cells)
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -188,14 +197,16 @@ class Report:
             "framework": self.framework,
             "model": self.model,
             "formats": list(self.formats),
+            "measured_formats": list(self.measured),
             "steps": self.steps,
             "seconds": self.seconds,
             "apply": self.one_liner(),
             "gradients_vs_loss_scale": {f: self.scale_sweep(f) for f in self.formats if f in SCALED_FORMATS},
             "recommendation": _jsonable(self.recommendation.to_json()),
             "rows": [_jsonable(vars(r)) for r in self.rows],
-            "histograms": [{"layer": ob.layer, "kind": ob.kind, **ob.hist.to_json()}
-                           for ob in self.observations],  # fmt: skip
+            "histograms": [
+                {"layer": ob.layer, "kind": ob.kind, **ob.hist.to_json()} for ob in self.observations
+            ],
         }
 
     def write(self, folder: str | Path = "doctor-report", *, plot: bool = True) -> dict[str, Path]:
@@ -227,7 +238,10 @@ def build(observations, formats, *, framework: str, steps: int, seconds: float =
 
     observations = tuple(observations)
     rec = recommend(observations)
-    fmts = tuple(get_format(f).name for f in formats)
+    from .blocks import parse
+
+    fmts = tuple(get_format(f).name for f in formats if parse(f) is None)
+    measured = tuple(t.label for t in map(parse, formats) if t is not None)
     scale = rec.checks["fp16-mixed"].loss_scale if "fp16-mixed" in rec.checks else None
     table, cache = layer_table(observations), {}
 
@@ -240,7 +254,7 @@ def build(observations, formats, *, framework: str, steps: int, seconds: float =
         return cache[fmt, s][ob.layer, ob.kind]
 
     rows = tuple(_row(ob, fmts, scale, noise) for ob in observations)
-    return Report(framework, fmts, steps, observations, rec, rows, seconds, model)
+    return Report(framework, fmts, steps, observations, rec, rows, seconds, model, measured)
 
 
 def _row(ob: Observation, formats: tuple[str, ...], scale: float | None, noise) -> Row:
@@ -261,7 +275,8 @@ def _row(ob: Observation, formats: tuple[str, ...], scale: float | None, noise) 
             if scale:
                 p["at_recommended_scale"] = p["at_scale"][_pow2(scale)]
         preds[name] = p
-    return Row(ob.layer, ob.kind, h.total, h.amax, h.amin_nonzero, h.zeros, h.nonfinite, preds)
+    measured = {label: m.to_json() for label, m in ob.measured.items()}
+    return Row(ob.layer, ob.kind, h.total, h.amax, h.amin_nonzero, h.zeros, h.nonfinite, preds, measured)
 
 
 def _jsonable(x):

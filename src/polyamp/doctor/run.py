@@ -15,6 +15,7 @@ import time
 from ..errors import PolyampError
 from ..frameworks import canonical_framework, detect
 from ..numerics import get_format
+from .blocks import Target, parse
 from .report import Report, build
 
 DEFAULT_FORMATS = ("fp16", "bf16", "e4m3fn", "e5m2")
@@ -25,19 +26,22 @@ def diagnose(model, batch, loss_fn=None, *, framework: str | None = None, steps:
     """Observe ``steps`` float32 training steps of ``model`` on ``batch`` and report what each of
     ``formats`` would do to every layer's tensors, with a recommended policy (module docstring)."""
     formats = check_formats(formats)
+    targets = measured_targets(formats)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise PolyampError(f"steps must be a whole number >= 1, got {steps!r}")
     name = canonical_framework(framework) if framework is not None else framework_of(model)
     collect = importlib.import_module(f"polyamp.{name}.doctor").collect
     start = time.perf_counter()
-    observations = collect(model, batch, loss_fn, steps=steps, optimizer=optimizer)
+    extra = {"measure": targets} if targets else {}  # scalar formats only: the taps as they were
+    observations = collect(model, batch, loss_fn, steps=steps, optimizer=optimizer, **extra)
     seconds = time.perf_counter() - start
     return build(observations, formats, framework=name, steps=steps, seconds=seconds,
                  model=f"{type(model).__module__}.{type(model).__qualname__}")  # fmt: skip
 
 
 def check_formats(formats) -> tuple[str, ...]:
-    """The format names, each known (``get_format`` says what is accepted), at least one."""
+    """The format names, each known, at least one: scalar formats (``get_format``, predicted) by their
+    canonical names, block formats and recipes (``blocks.parse``, measured) by their labels."""
     if isinstance(formats, str):
         formats = tuple(f for f in formats.split(",") if f.strip())
     try:
@@ -47,7 +51,17 @@ def check_formats(formats) -> tuple[str, ...]:
                            ) from None  # fmt: skip
     if not formats:
         raise PolyampError("formats is empty; name at least one, e.g. ('fp16', 'bf16', 'e4m3fn', 'e5m2')")
-    return tuple(dict.fromkeys(get_format(f).name for f in formats))
+    return tuple(dict.fromkeys(_label(f) for f in formats))
+
+
+def _label(name) -> str:
+    target = parse(name)
+    return get_format(name).name if target is None else target.label
+
+
+def measured_targets(formats: tuple[str, ...]) -> tuple[Target, ...]:
+    """The measured targets among ``check_formats``' labels, in order."""
+    return tuple(t for t in map(parse, formats) if t is not None)
 
 
 def framework_of(model) -> str:

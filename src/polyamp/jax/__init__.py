@@ -17,11 +17,23 @@ whole step stays in one ``jit``. ``mp.sync(state)`` brings a state back to ``mp.
 ``mp.state_dict()``, ``mp.current_scale`` and the too-many-skips check). A jitted step cannot
 raise, so ``NonFiniteError`` and the warning at the first skip of a bf16/float32 run come only
 from ``mp.sync``: call it every few hundred steps (one small device-to-host copy).
+
+Training recipes (``MixedPrecision("fp8-delayed")``, ``"nvfp4"``, ...): ``mp.autocast(loss_fn)``
+quantizes the dense matmuls (``recipe.py``). A recipe that keeps state between steps (delayed scaling's
+amax histories, stochastic rounding's call counter; ``recipe_state.py``) keeps it in the same ``state``:
+``mp.init()`` returns a ``RecipeStepState``, the loss-scale fields plus ``recipe`` (a pytree), and
+``mp.value_and_grad`` / ``mp.grad`` return it updated, so the step above is unchanged. Its gradients
+come only from ``mp.value_and_grad`` (once per step; called elsewhere, the autocast function evaluates
+without state: current scaling, nearest rounding); the delayed entries are created by
+``mp.init(f, params, batch)`` or by the first step (a jitted step then traces again). ``mp.sync(state)``
+brings the recipe's state to the host too, and ``mp.state_dict()`` / ``load_state_dict`` save and
+restore it (``"recipe": {"name", "state"}``, torch's form), ``mp.init()`` resuming from it.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -30,14 +42,29 @@ from jax import lax
 from ..errors import PolyampError, UnsupportedError
 from ..mixed_precision import MixedPrecision as _Base
 from ..mixed_precision import WrongIdiomError
+from ..recipes import recipe_spec
 from ..scaling import COUNTERS, LossScaleState, NoLossScale
 from . import autocast as _autocast
+from . import recipe_state as _recipe_state
 from .autocast import DEFAULT_RULES, AutocastRules, check_arguments
+from .recipe_state import RecipeState, keeps_state
 from .tree import all_finite, cast_tree, select_tree, step_if_finite
 
 # the loss-scale state is a pytree here: the scale and the counters are leaves (next_scale, only
 # used by MXNet's one-step lag, is static)
 jax.tree_util.register_dataclass(LossScaleState, data_fields=["scale", *COUNTERS], meta_fields=["next_scale"])
+
+
+@dataclass(frozen=True)
+class RecipeStepState(LossScaleState):
+    """``mp.init()``'s state under a recipe that keeps state: the loss-scale state's fields, and
+    ``recipe``, the recipe's :class:`~polyamp.jax.recipe_state.RecipeState`."""
+
+    recipe: RecipeState | None = None
+
+
+jax.tree_util.register_dataclass(RecipeStepState, data_fields=["scale", *COUNTERS, "recipe"],
+                                 meta_fields=["next_scale"])  # fmt: skip
 
 
 class MixedPrecision(_Base):
@@ -52,8 +79,9 @@ class MixedPrecision(_Base):
         The equations under the ``jax.named_scope`` paths that ``mp.keep_fp32`` names run as traced,
         in float32; a name that matches no scope of ``fn`` raises when ``fn`` is traced."""
         if fn is None:
-            raise PolyampError("JAX has no autocast context; mp.autocast rewrites a function: "
-                               f"f = mp.autocast(loss_fn{', rules=rules' if rules is not None else ''})")
+            rules_arg = ", rules=rules" if rules is not None else ""
+            raise PolyampError(f"JAX has no autocast context; mp.autocast rewrites a function: "
+                               f"f = mp.autocast(loss_fn{rules_arg})")  # fmt: skip
         rules = DEFAULT_RULES if rules is None else rules
         check_arguments(fn, rules)
         policy = self.policy
@@ -75,20 +103,41 @@ class MixedPrecision(_Base):
             raise _functional(f"mp.{name}")
         return super().__getattr__(name)
 
-    def init(self) -> LossScaleState:
+    def _setup(self) -> None:
+        super()._setup()
+        self._recipe_host = None  # the recipe's state on the host (recipe_state.to_host), from sync / load
+
+    def init(self, fn=None, *args, **kwargs) -> LossScaleState:
         """``mp.state`` with 0-d arrays as fields (float32 scale, int32 counters): the pytree to
-        thread through a jitted train step."""
+        thread through a jitted train step; under a recipe that keeps state (``fp8-delayed``,
+        stochastic rounding) a ``RecipeStepState``, whose ``recipe`` field holds that state too.
+        ``mp.init(f, *args, **kwargs)``, with the autocast loss function and example arguments, also
+        creates the delayed-scaling entries of ``f``'s matmuls (traced abstractly), so the state's
+        structure is final from the first step (for ``jit(...).lower(...)`` or a ``lax.scan`` of steps)."""
         self.loss_scale.check_traceable("jit")
         host = self.state
-        return LossScaleState(scale=jnp.asarray(host.scale, jnp.float32),
-                              **{k: jnp.asarray(getattr(host, k), jnp.int32) for k in COUNTERS})  # fmt: skip
+        fields = {"scale": jnp.asarray(host.scale, jnp.float32),
+                  **{k: jnp.asarray(getattr(host, k), jnp.int32) for k in COUNTERS}}  # fmt: skip
+        if not keeps_state(self.recipe):
+            return LossScaleState(**fields)
+        rs = _recipe_state.from_host(self._recipe_host)
+        if fn is not None and self.recipe.kind == "delayed":
+            run = _recipe_state.Run(self.recipe, rs.calls, {k: e["scale"] for k, e in rs.delayed.items()})
+            with _recipe_state.running(run):
+                jax.eval_shape(fn, *args, **kwargs)
+            rs = _recipe_state.fill(self.recipe, rs, run.missing)
+        return RecipeStepState(**fields, recipe=rs)
 
     def update(self, state: LossScaleState, finite) -> LossScaleState:
         """The state after a step whose gradients were ``finite`` (a 0-d bool array) or not:
-        the loss-scale rule on arrays, so it runs inside ``jit`` (``value_and_grad`` calls it)."""
+        the loss-scale rule on arrays, so it runs inside ``jit`` (``value_and_grad`` calls it); a
+        ``RecipeStepState``'s recipe state is kept as it is."""
         _check_state(state)
         fields = {k: getattr(state, k) for k in ("scale", *COUNTERS)}
-        return LossScaleState(**self.loss_scale.update_arrays(fields, finite, jnp))
+        fields = self.loss_scale.update_arrays(fields, finite, jnp)
+        if isinstance(state, RecipeStepState):
+            return RecipeStepState(**fields, recipe=state.recipe)
+        return LossScaleState(**fields)
 
     def sync(self, state: LossScaleState) -> LossScaleState:
         """Adopt a state from ``init``/``grad`` as ``mp.state`` (one small device-to-host copy),
@@ -96,9 +145,30 @@ class MixedPrecision(_Base):
         of a run without loss scaling and raises ``NonFiniteError`` after too many in a row."""
         _check_state(state)
         before = self.state.skipped
+        if isinstance(state, RecipeStepState) and self.recipe is not None:
+            self._recipe_host = _recipe_state.to_host(self.recipe, state.recipe)
         self.state = jax.device_get(state).on_host()
         self.loss_scale.check(self.state, skipped_before=before)
         return self.state
+
+    def state_dict(self, native: str | None = None):
+        """``polyamp.MixedPrecision.state_dict``, plus the recipe's state as of the last ``mp.sync``
+        (``{"calls": n, "delayed": {"layer|operand": DelayedScaling.state_dict()}}``, torch's form)."""
+        out = super().state_dict(native)
+        if native is None and self.recipe is not None:
+            host = _recipe_state.host_state_dict(self._recipe_host)
+            out["recipe"] = {"name": recipe_spec(self.recipe), "state": host}
+        return out
+
+    def load_state_dict(self, state) -> None:
+        """``polyamp.MixedPrecision.load_state_dict``, plus the recipe's state: ``mp.init()`` then
+        starts from both."""
+        saved = self._saved_recipe(state)
+        host = _recipe_state.load_host(self.recipe, saved.get("state")) if saved is not None else None
+        super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
+                                if isinstance(state, dict) else state)  # fmt: skip
+        if saved is not None:
+            self._recipe_host = host
 
     def grad(self, fn, **kwargs):
         """Like ``jax.grad`` of a scalar loss: ``f(*args, state=state)`` returns
@@ -121,10 +191,14 @@ class MixedPrecision(_Base):
         guard, policy = self.guard, self.policy
         scaling = not isinstance(self.loss_scale, NoLossScale)
 
+        stateful = keeps_state(self.recipe)
+
         @functools.wraps(fn)
         def value_and_grad_fn(*args, state=None, **kwargs):
             _check_state(state)
             _check_param_dtypes(args, argnums, policy)
+            if stateful:
+                return self._recipe_step(fn, argnums, has_aux, axis_name, args, kwargs, state)
 
             def scaled(*a, **k):
                 out = fn(*a, **k)
@@ -146,6 +220,48 @@ class MixedPrecision(_Base):
             return (value, grads), finite, self.update(state, finite)
 
         return value_and_grad_fn
+
+    def _recipe_step(self, fn, argnums, has_aux, axis_name, args, kwargs, state):
+        """``value_and_grad`` under a recipe that keeps state (``recipe_state.py``): the gradient is
+        also taken with respect to the delayed scales, which yields the step's amaxes."""
+        if not isinstance(state, RecipeStepState) or not isinstance(state.recipe, RecipeState):
+            raise PolyampError(f"the {self.recipe.name!r} recipe keeps state between steps: pass the state "
+                               f"from mp.init() (a RecipeStepState), got {type(state).__name__}")  # fmt: skip
+        scaling = not isinstance(self.loss_scale, NoLossScale)
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+        def attempt(rs):
+            run = _recipe_state.Run(self.recipe, rs.calls, {k: e["scale"] for k, e in rs.delayed.items()})
+
+            def scaled(scales, *a, **k):
+                run.scales = scales
+                with _recipe_state.running(run):
+                    out = fn(*a, **k)
+                loss, aux = out if has_aux else (out, None)
+                _check_loss(loss)
+                big = loss.astype(jnp.float32) * state.scale if scaling else loss
+                return big, (loss, aux)
+
+            diff = jax.value_and_grad(scaled, argnums=(0, *(i + 1 for i in nums)), has_aux=True)
+            (_, value), (amaxes, *grads) = diff(run.scales, *args, **kwargs)
+            return run, value, amaxes, grads
+
+        rs = state.recipe
+        run, value, amaxes, grads = attempt(rs)
+        if run.missing:  # entries met for the first time: trace again with them in the state
+            rs = _recipe_state.fill(self.recipe, rs, run.missing)
+            run, value, amaxes, grads = attempt(rs)
+        grads = grads[0] if isinstance(argnums, int) else tuple(grads)
+        if scaling:
+            inv = 1.0 / state.scale
+            grads = jax.tree.map(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), grads)
+        finite = all_finite(grads) if self.guard else jnp.asarray(True)
+        if axis_name is not None:
+            finite = lax.pmin(finite.astype(jnp.int32), axis_name) == 1
+        new = self.update(state, finite)
+        rs = _recipe_state.advance(self.recipe, rs, run, amaxes, axis_name)
+        loss, aux = value
+        return ((loss, aux) if has_aux else loss, grads), finite, replace(new, recipe=rs)
 
 
 def _functional(call: str) -> WrongIdiomError:
@@ -206,5 +322,5 @@ def _probe(dtype: str, backend: str) -> None:
         raise UnsupportedError(f"JAX computed a wrong {dtype} matmul on {backend}: use another policy")
 
 
-__all__ = ["DEFAULT_RULES", "AutocastRules", "MixedPrecision", "all_finite", "cast_tree", "select_tree",
-           "step_if_finite"]  # fmt: skip
+__all__ = ["DEFAULT_RULES", "AutocastRules", "MixedPrecision", "RecipeState", "RecipeStepState", "all_finite",
+           "cast_tree", "select_tree", "step_if_finite"]  # fmt: skip

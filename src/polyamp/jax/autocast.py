@@ -202,6 +202,7 @@ class Interpreter:
         self.recipe, self.recipe_kept = recipe, set()  # dense matmuls quantized but in these scopes
         self.leaves: dict[int, str] = {}  # id of an argument leaf's value -> its name, during one call
         self.read_outside: dict[str, None] = {}  # the names of those that equations outside any scope read
+        self.nested: list[str] = []  # the loops, checkpoints, ... being evaluated (for recipe.quantized)
 
     # -- jaxprs -----------------------------------------------------------------------------------
     def eval_jaxpr(self, jaxpr, consts, args, scope: tuple[str, ...] | None = ()) -> list:
@@ -251,8 +252,14 @@ class Interpreter:
         """One equation under the rules; ``scope``: its own scope path (for its sub-jaxprs)."""
         name = eqn.primitive.name
         handler = _STRUCTURED.get(name)
-        if handler is not None:
+        if handler is not None and name in _LOOKED_INTO:
             return handler(self, eqn, invals, scope)
+        if handler is not None:  # a body traced apart from the step: a recipe's state cannot reach it
+            self.nested.append(name)
+            try:
+                return handler(self, eqn, invals, scope)
+            finally:
+                self.nested.pop()
         kind = self.rules.kind(name)
         if kind is None:
             _warn_unknown(name)
@@ -497,5 +504,6 @@ def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return autocast_fn
+
 
 __all__ = ["CLASSES", "DEFAULT_RULES", "AutocastRules", "Interpreter", "autocast", "check_arguments"]

@@ -29,11 +29,18 @@ nothing passed in is changed (nothing is donated), and JAX has no global RNG or 
 Without an optimizer every step is the same, so one is run and counted ``steps`` times.
 
 Binning is ``binning.py``'s: inside the program, integer arithmetic, exact.
+
+Measured formats (``measure``: block formats and recipes, ``doctor/blocks.py``): the program also returns
+the tapped tensors (a second compiled form, for that call only), and each is cast outside it by
+``polyamp.jax.quantize`` (tensorwise: ``polyamp.jax.recipe.tensorwise`` at the host's scale) and counted
+with JAX ops (``measure_tensor``: integer bit patterns for the counts, float64 sums); the blocks' amaxes
+go to the host for the clip thresholds (``blocks.plan``).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +49,7 @@ import optax
 from jax import lax
 from jax.extend import core as jcore
 
+from ..doctor import blocks as _blocks
 from ..doctor.recommend import KINDS, Observation
 from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
@@ -54,9 +62,9 @@ _PROGRAMS: collections.OrderedDict = collections.OrderedDict()  # key -> _Progra
 _CACHE_SIZE = 8
 
 
-def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> list[Observation]:
+def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measure=()) -> list[Observation]:
     """Observe ``steps`` float32 training steps of the params pytree ``model`` on ``batch``; nothing
-    passed in is changed (module docstring)."""
+    passed in is changed (module docstring). ``measure``: ``blocks.Target``s."""
     leaves, treedef, paths = _check_params(model)
     batch_leaves = _check(batch, loss_fn, steps)
     optimizer, live, opt_state = _check_optimizer(optimizer)
@@ -68,10 +76,15 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
     runs = steps if optimizer is not None else 1
     if runs > 1 and not live:
         opt_state = optimizer.init(model)  # later steps take the state a step returns: one signature
-    found = []
+    found, parts = [], collections.defaultdict(lambda: collections.defaultdict(list))
     for step in range(runs):
-        out = program.run(floating, others, batch_leaves, opt_state, step + 1 < runs)
+        out = program.run(floating, others, batch_leaves, opt_state, step + 1 < runs, bool(measure))
         found.append(out[0])
+        for (layer, kind, _), tensors in zip(program.groups, out[2] or ()):
+            for target in measure:
+                if kind in target.casts:
+                    ms = [measure_tensor(_blocks.gemm_layout(t, kind), target.casts[kind]) for t in tensors]
+                    parts[layer, kind][target.label] += ms * (steps // runs)
         if step + 1 < runs:
             new_leaves, opt_state = out[1]
             floating = [leaf for leaf, f in zip(new_leaves, program.floating) if f]
@@ -80,8 +93,93 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
     for g, (layer, kind, lay) in enumerate(program.groups):
         ratio, n = kind == "update_ratio", (4 if kind == "update_ratio" else 2)
         hists = [_histogram(counts[g], ends[g, :n], lay, ratio) for counts, ends in found] * (steps // runs)
-        observations.append(Observation(layer, kind, hists[0].merge(*hists[1:]) if hists[1:] else hists[0]))
+        hist = hists[0].merge(*hists[1:]) if hists[1:] else hists[0]
+        observations.append(Observation(layer, kind, hist, _blocks.merged(parts, (layer, kind))))
     return observations
+
+
+def measure_tensor(t, cast: _blocks.Cast) -> _blocks.Measured:
+    """``blocks.measure`` of a JAX array with ``polyamp.jax.quantize``'s kernels: counts on the float32
+    bit patterns (XLA's CPU backend flushes subnormal floats in arithmetic and comparisons), sums in
+    float64, in a zero-padded blocked view (padding is zero: never counted)."""
+    from .quantize import _key, quantize_blocks
+    from .recipe import tensorwise
+
+    x = jnp.asarray(t).astype(jnp.float32)
+    x = x.reshape(x.shape if x.ndim else (1,))
+    if not x.size:
+        return _blocks.Measured()
+    block = cast.block_for(x.ndim)
+    tiles = block if cast.scaling == "block" else ()
+    amax, bad = jax.device_get(_block_amax(x, tiles))
+    thr, scale = _blocks.plan(cast, amax, bad)
+    if cast.scaling == "tensorwise":
+        key = None if cast.seed is None else _key(cast.seed)  # the stream quantize(seed=...) draws
+        q = tensorwise(x, cast.format, scale=jnp.float32(scale), rounding=cast.rounding, key=key)
+    else:
+        axis = (-2, -1) if len(block) == 2 else -1
+        q = quantize_blocks(x, cast.format, axis=axis, block=block, scale_rule=cast.scale_rule,
+                            rounding=cast.rounding, seed=cast.seed)  # fmt: skip
+    counts = _block_counts(x, q, thr.view(np.int32), tiles, cast.scaling == "block")
+    with jax.enable_x64(True):
+        sums = _block_sums(x, q, bad, tiles, cast.scaling == "block")
+        err, energy = (float(v) for v in jax.device_get(sums))
+    nonfinite, nz, under, clip, spoiled = (int(c) for c in jax.device_get(counts))
+    return _blocks.Measured(int(x.size), nonfinite, nz, under, clip, spoiled, err, energy)
+
+
+def _bits(xb):
+    bits = lax.bitcast_convert_type(xb, jnp.int32) & 0x7FFFFFFF
+    return bits, bits < 0x7F800000
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _block_amax(x, tiles):
+    """Per block: the amax of the finite elements, and whether it holds inf/NaN."""
+    xb, dims = _blocked(x, tiles)
+    bits, finite = _bits(xb)
+    amax = lax.bitcast_convert_type(jnp.where(finite, bits, 0).max(dims, keepdims=True), jnp.float32)
+    return amax, (~finite).any(dims, keepdims=True)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _block_counts(x, q, thr_bits, tiles, block_scaling: bool):
+    """Non-finite, non-zero, underflow, clipped and spoiled counts (``blocks.measure``)."""
+    xb, dims = _blocked(x, tiles)
+    bits, finite = _bits(xb)
+    qbits, _ = _bits(_blocked(q, tiles)[0])
+    bad = (~finite).any(dims, keepdims=True)
+    good = finite & ~bad if block_scaling else finite
+    nonzero = finite & (bits != 0)
+    ok = nonzero & good
+    under, clip = (ok & (qbits == 0)).sum(), (ok & (bits > thr_bits)).sum()
+    return jnp.stack([(~finite).sum(), nonzero.sum(), under, clip, (nonzero & ~good).sum()])
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _block_sums(x, q, bad, tiles, block_scaling: bool):
+    """``sum (q - x)^2`` and ``sum x^2`` in float64 over the finite elements outside spoiled blocks."""
+    xb, _ = _blocked(x, tiles)
+    finite = _bits(xb)[1]
+    good = finite & ~bad if block_scaling else finite
+    x64, q64 = xb.astype(jnp.float64), _blocked(q, tiles)[0].astype(jnp.float64)
+    d, e = jnp.where(good, q64 - x64, 0.0), jnp.where(good, x64, 0.0)
+    return (d * d).sum(), (e * e).sum()
+
+
+def _blocked(x, block: tuple[int, ...]):
+    """``x`` zero-padded and viewed as blocks, and the axes a block spans (``torch.doctor._blocked``)."""
+    if not block:
+        return x.reshape(1, -1), (1,)
+    if len(block) == 1:
+        (b,) = block
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = jnp.pad(x2, ((0, 0), (0, -x2.shape[1] % b)))
+        return x2.reshape(x2.shape[0], -1, b), (2,)
+    h, w = x.shape[-2:]
+    x3 = jnp.pad(x.reshape(-1, h, w), ((0, 0), (0, -h % block[0]), (0, -w % block[1])))
+    tiles = (x3.shape[0], x3.shape[1] // block[0], block[0], x3.shape[2] // block[1], block[1])
+    return x3.reshape(tiles), (2, 4)
 
 
 def _check_params(model):
@@ -220,7 +318,7 @@ class _Program:
             what = f"{out[0].dtype}{list(out[0].shape)}" if len(out) == 1 else _type(out_shape)
             raise PolyampError(f"loss_fn(params, batch) must return a scalar floating-point loss, got {what}")
         self._analyse(leaves, paths, len(batch_leaves))
-        self.run = jax.jit(self._step, static_argnums=4)
+        self.run = jax.jit(self._step, static_argnums=(4, 5))
         self._state_shape = None  # optimizer.init's, for check_state
 
     def _analyse(self, leaves, paths, n_batch) -> None:
@@ -308,9 +406,9 @@ class _Program:
         (loss,) = _walk(self.closed.jaxpr, self.closed.consts, [*leaves, *batch_leaves], (), visit)
         return loss, taps
 
-    def _step(self, floating, others, batch_leaves, opt_state, want_next: bool):
-        """The tapped step: stats per group in ``self.groups`` order, and (want_next) the new params'
-        leaves and optimizer state."""
+    def _step(self, floating, others, batch_leaves, opt_state, want_next: bool, keep: bool = False):
+        """The tapped step: stats per group in ``self.groups`` order, (want_next) the new params'
+        leaves and optimizer state, and (keep) each group's tensors (updates: none)."""
         eps = [jnp.zeros(a.shape, a.dtype) for a in self.tap_avals]
         (_, taps), (grads, grad_taps) = jax.value_and_grad(self._loss_and_taps, argnums=(0, 3), has_aux=True)(
             floating, others, batch_leaves, eps
@@ -341,7 +439,11 @@ class _Program:
             counts.append(c)
             ends.append(jnp.pad(e.astype(wide), (0, 4 - e.size)))
         stats = (jnp.stack(counts), jnp.stack(ends))  # two arrays to bring back: one transfer
-        return stats, ((new_leaves, opt_state) if want_next else None)
+        kept = None
+        if keep:
+            kept = [[] if kind == "update_ratio" else [tensors[src][i] for src, i in self.refs[layer, kind]]
+                    for layer, kind, _ in self.groups]  # fmt: skip
+        return stats, ((new_leaves, opt_state) if want_next else None), kept
 
 
 __all__ = ["collect", "histogram", "ratio_histogram"]

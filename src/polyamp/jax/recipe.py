@@ -10,6 +10,12 @@ the recipe, as ``polyamp/torch/recipe.py`` describes, in a ``jax.custom_vjp``:
     input grad     dx = Qb(g) @ Qf'(w)^T        blocks along N (g's last axis, w's last)
     weight grad    dw = Qf'(x)^T @ Qb'(g)       blocks along the rows M of x and g
 
+Each operand is quantized in torch's layout (``w^T`` for the forward weight, ``x^T`` and ``g^T`` for the
+weight gradient, blocked along their last axis), so stochastic rounding indexes the same elements as
+torch's recipe. With ``hadamard=True`` (NVFP4) ``x^T`` and ``g^T`` are first multiplied by the random
+Hadamard matrix in tiles of 16 along ``M`` (:func:`hadamard_tiles`, ``polyamp/numerics/hadamard.py``'s
+float32 butterfly; ``M`` zero padded to a multiple of 16).
+
 Batched matmuls (attention's scores and values) and convolutions run as the bf16 policy does. A
 layer is its ``jax.named_scope`` path; the keep list's ``first`` / ``last`` are the scope paths of the
 first and last dense matmul in trace order, other entries ``fnmatch`` patterns over the paths.
@@ -19,14 +25,18 @@ scales are TE's float32 quotient ``Fmax / amax`` (``recipes.current_scale``; the
 float32 is rounded once, as the core's float64-then-float32 is), the casts ``jnp.float8_e4m3fn`` /
 ``float8_e5m2`` after clamping to the format's range; blocks are ``polyamp.jax.quantize_blocks``. One
 exception: XLA on the CPU flushes float32 subnormals, so a tensor whose every value is subnormal (its
-amax below 2^-126) quantizes to zeros, where the core scales it up.
-Not here yet: delayed scaling (its amax history changes each step, which a jitted function would have
-to take and return) and stochastic rounding (it needs a new random stream each step).
+amax below 2^-126) quantizes to zeros, where the core scales it up, and a Hadamard tile whose inputs,
+sums or results are subnormal differs from the core's there.
+
+Recipes that keep state between steps, delayed scaling and stochastic rounding, take it from the step
+``mp.value_and_grad`` runs: the delayed scales, the seeds ``calls + position`` (torch's ``Quantizer``
+sequence), and the amaxes handed back as the scales' cotangents (``recipe_state.py``).
 """
 
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -34,46 +44,92 @@ import numpy as np
 from jax import lax
 
 from ..errors import PolyampError
+from ..numerics import blocks as _core_blocks
 from ..numerics import get_format
+from ..numerics import hadamard as _hadamard
+from ..numerics.rounding import _MODE
 from ..recipes import Recipe
-from .quantize import quantize_blocks
+from .quantize import _blocks_values, _Grid, _quantize, quantize_blocks
+from .recipe_state import OPERANDS, Run, active, calls_per_matmul, keeps_state, scale_from_amax, seed_key
 from .scopes import name_scopes
 
 _FLOAT8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-_FLT_MAX = float(np.finfo(np.float32).max)
 _F32 = jnp.float32
 
 
 def current_scale(amax, fmt: str, margin: int = 0, eps: float = 0.0):
     """``polyamp.recipes.current_scale`` of a float32 amax, as JAX ops (no host read)."""
-    scaled_max = np.float32(float(get_format(fmt).max) * 2.0**-margin)
-    a = jnp.where(amax < eps, jnp.float32(eps), amax)
-    q = scaled_max / a  # XLA on the CPU reads a subnormal amax as 0: inf, float32's max below as in the core
-    q = jnp.where(jnp.isinf(q), jnp.float32(_FLT_MAX), q)
-    positive = lax.bitcast_convert_type(a, jnp.int32) > 0  # a subnormal amax is > 0 for the core too
-    return jnp.where(jnp.isfinite(a) & positive, q, jnp.float32(1.0))
+    return scale_from_amax(amax, fmt, margin, eps, 1.0)
 
 
-def tensorwise(x, fmt: str, margin: int = 0, eps: float = 0.0):
-    """``recipes.quantize_tensorwise(x, fmt, current_scale(amax(x)))``, float32."""
+def tensorwise(x, fmt: str, margin: int = 0, eps: float = 0.0, scale=None, rounding: str = "nearest",
+               key=None):  # fmt: skip
+    """``recipes.quantize_tensorwise(x, fmt, scale, rounding, seed)``, float32; ``scale`` defaults to
+    ``current_scale(amax(x))``, ``key`` is the seed's stream key (``recipe_state.seed_key``)."""
     x32 = x.astype(_F32)
-    scale = current_scale(jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0), fmt, margin, eps)
-    fmax = float(get_format(fmt).max)
-    q = jnp.clip(x32 * scale, -fmax, fmax).astype(_FLOAT8[fmt]).astype(_F32)
+    if scale is None:
+        scale = current_scale(_amax(x32), fmt, margin, eps)
+    y = x32 * scale
+    if rounding == "nearest":
+        fmax = float(get_format(fmt).max)
+        q = jnp.clip(y, -fmax, fmax).astype(_FLOAT8[fmt]).astype(_F32)
+    else:
+        q = _quantize(y, key, _Grid.of(get_format(fmt), True).arrays(), mode=_MODE[rounding], dtype="float32")
     # XLA rewrites a division by a broadcast scalar as a product with its reciprocal (off by an ulp):
     # dividing by a materialised array keeps the correctly rounded quotient the core has
     return q / lax.optimization_barrier(jnp.broadcast_to(scale, q.shape))
 
 
-def quantize(x, recipe: Recipe, operand: str, axis: int):
+def _amax(x32):
+    return jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
+
+
+def quantize(x, recipe: Recipe, operand: str, axis: int, scale=None, key=None):
     """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"), blocks
-    along ``axis`` (NVFP4 weights: 16x16 tiles); float32."""
-    fmt = recipe.backward_format if operand == "grad" else recipe.forward_format
+    along ``axis`` (NVFP4 weights: 16x16 tiles); float32. ``scale``: a delayed recipe's scale; ``key``:
+    the stream key of stochastic rounding's seed (without it the recipe must round to nearest)."""
+    grad = operand == "grad"
+    fmt = recipe.backward_format if grad else recipe.forward_format
+    rounding = recipe.grad_rounding if grad else recipe.forward_rounding
     if recipe.kind != "block":
-        return tensorwise(x, fmt, recipe.margin, recipe.amax_epsilon)
-    if recipe.weight_2d and operand == "weight":
-        return quantize_blocks(x.astype(_F32), fmt, axis=(-2, -1), block=(16, 16))
-    return quantize_blocks(x.astype(_F32), fmt, axis=axis, scale_rule=recipe.scale_rule)
+        return tensorwise(x, fmt, recipe.margin, recipe.amax_epsilon, scale, rounding, key)
+    block = (16, 16) if recipe.weight_2d and operand == "weight" else None
+    axis = (-2, -1) if block else axis
+    if key is None:
+        return quantize_blocks(x.astype(_F32), fmt, axis=axis, block=block, scale_rule=recipe.scale_rule)
+    return _blocks_keyed(x.astype(_F32), fmt, axis, block, recipe.scale_rule, rounding, key)
+
+
+def _blocks_keyed(x, fmt, axis, block, rule, rounding, key):
+    """``quantize_blocks`` with a traced stream key in place of the seed (``jax/quantize.py``'s kernel)."""
+    bf, mode, _, rule = _core_blocks.arguments(fmt, rule, rounding, 0)
+    shape = _core_blocks._block_shape(bf, block)
+    axes = _core_blocks._axes(axis, x.ndim, len(shape))
+    mx = bf.scale.name == "e8m0fnu"
+    elem = _Grid.of(bf.element, True).arrays()
+    code = np.int32(_core_blocks.SCALE_RULES.index(rule) if mx else 0)
+    args = (x, key, elem, code)
+    kwargs = {"bf": None if mx else bf, "axes": axes, "shape": shape, "mode": mode}
+    if not mx and mode == _MODE["stochastic"] and not jax.config.jax_enable_x64:
+        with jax.enable_x64(True):  # NVFP4's stochastic rounding needs uint64 (jax/quantize.py)
+            return _blocks_values(*args, **kwargs)
+    return _blocks_values(*args, **kwargs)
+
+
+def hadamard_tiles(x, axis: int = -1):
+    """``polyamp.numerics.hadamard_tiles`` as JAX ops: ``x`` (float32) zero padded along ``axis`` to a
+    multiple of 16, each tile times ``SIGNS``, the four butterfly stages ``h = 1, 2, 4, 8`` in float32,
+    then ``* 0.25``; the same elementwise float32 operations in the same order, so the same bits."""
+    v = jnp.moveaxis(x.astype(_F32), axis, -1)
+    n = v.shape[-1]
+    v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, -n % _hadamard.TILE)])
+    lead = v.shape[:-1]
+    t = v.reshape(*lead, -1, _hadamard.TILE) * _hadamard.SIGNS
+    for h in _hadamard.STAGES:
+        pairs = t.reshape(*lead, -1, _hadamard.TILE // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        t = jnp.stack([a + b, a - b], axis=-2)
+    return jnp.moveaxis((t * np.float32(0.25)).reshape(v.shape), -1, axis)
 
 
 def eligible(eqn) -> bool:
@@ -93,42 +149,96 @@ def quantized(interpreter, eqn, invals, scope) -> list | None:
     r = interpreter.recipe
     if r is None or scope is None or not eligible(eqn) or "/".join(scope) in interpreter.recipe_kept:
         return None
-    return [dot(r, interpreter.compute, interpreter.output, _F32)(*invals)]
+    if not keeps_state(r):
+        return [dot(r, interpreter.compute, interpreter.output, _F32)(*invals)]
+    path = "/".join(scope)
+    run = active()
+    if run is None:  # evaluation: the forward without state, no gradient
+        fn = dot(without_state(r), interpreter.compute, interpreter.output, _F32, trainable=False)
+        return [fn(*invals)]
+    if interpreter.nested:
+        raise PolyampError(
+            f"the {r.name!r} recipe keeps state, which polyamp threads only through dense matmuls outside "
+            f"loops, conditionals, checkpoints and custom derivatives; scope {path!r} is inside a "
+            f"{interpreter.nested[-1]}: keep it (keep=...) or use a recipe without state"
+        )
+    j, layer = run.matmul(path)
+    scales = [run.scale(layer, op) for op in OPERANDS]
+    return [dot(r, interpreter.compute, interpreter.output, _F32, run, j)(*invals, *scales, run.calls)]
 
 
-def dot(recipe: Recipe, compute, output, preferred):
+def without_state(recipe: Recipe) -> Recipe:
+    """What a stateful recipe's autocast function runs outside ``mp.value_and_grad``'s step (evaluation):
+    current scaling for delayed, nearest rounding for stochastic."""
+    if recipe.kind == "delayed":
+        recipe = replace(recipe, kind="tensorwise", history_len=None, amax_compute_algo=None)
+    return replace(recipe, forward_rounding="nearest", grad_rounding="nearest")
+
+
+def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, index: int = 0,
+        trainable: bool = True):  # fmt: skip
     """``x @ w`` with the recipe's three quantized GEMMs (module docstring), products in ``compute``
-    accumulated in ``preferred`` (float32), the result in ``output``."""
+    accumulated in ``preferred`` (float32), the result in ``output``; ``trainable=False``: its gradient
+    raises (a stateful recipe outside its step).
+
+    With ``run`` (a recipe that keeps state), the function takes ``(x, w, scale_x, scale_w, scale_g,
+    calls)``: the delayed scales and the step's call counter; the seeds are ``run``'s positions for
+    matmul ``index``, and the backward rule returns the amaxes of ``x``, ``w`` and ``g`` as the
+    cotangents of the three scales (``recipe_state.py``)."""
     fq, bq, wq_ = recipe.quantize_forward, recipe.quantize_input_grad, recipe.quantize_weight_grad
     block = recipe.kind == "block"
+    delayed = recipe.kind == "delayed"
 
     def matmul(a, b):  # a [..., K] @ b [K, N]
         dims = (((a.ndim - 1,), (0,)), ((), ()))
         return lax.dot_general(a.astype(compute), b.astype(compute), dims, preferred_element_type=preferred)
 
-    def forward(x, w):
-        xq = quantize(x, recipe, "input", -1) if fq else x
-        wq = quantize(w, recipe, "weight", 0) if fq else w
-        return matmul(xq, wq).astype(output), (x, w, xq, wq)
+    def keys(calls, backward, count):
+        if run is None:
+            return [None] * count
+        return [seed_key(calls, run.seed_position(index, i, backward)) for i in range(count)]
+
+    def forward(x, w, sx=None, sw=None, sg=None, calls=None):
+        kx, kw = keys(calls, False, 2)
+        xq = quantize(x, recipe, "input", -1, sx if delayed else None, kx) if fq else x
+        # torch's layout: its weight is w^T [N, K], blocked along K (its elements index a random stream)
+        wq = quantize(w.T, recipe, "weight", -1, sw if delayed else None, kw).T if fq else w
+        amaxes = (_amax(x.astype(_F32)), _amax(w.astype(_F32))) if delayed else ()
+        return matmul(xq, wq).astype(output), (x, w, xq, wq, sg, calls, amaxes)
 
     def backward(res, g):
-        x, w, xq, wq = res
+        if not trainable:
+            raise PolyampError(
+                f"the {recipe.name!r} recipe keeps state between steps (amax histories, a stochastic-"
+                "rounding counter): take its gradients with mp.value_and_grad(f)(..., state=state) (or "
+                "mp.grad), state = mp.init(), which threads that state through the step; outside it the "
+                "autocast function only evaluates (current scaling, nearest rounding)"
+            )
+        x, w, xq, wq, sg, calls, amaxes = res
         n, k = w.shape[1], w.shape[0]
         g2, x2 = g.reshape(-1, n), x.reshape(-1, k)
-        once = quantize(g2, recipe, "grad", -1) if (bq or wq_) and not block else None
+        ks = iter(keys(calls, True, calls_per_matmul(recipe)[1]))
+        sg = sg if delayed else None
+        once = quantize(g2, recipe, "grad", -1, sg, next(ks)) if (bq or wq_) and not block else None
         gq, w_op = g2, w
         if bq:
-            gq = quantize(g2, recipe, "grad", -1) if block else once
-            w_op = quantize(w, recipe, "weight", 1) if block and not recipe.weight_2d else wq
+            gq = quantize(g2, recipe, "grad", -1, None, next(ks)) if block else once
+            w_op = wq
+            if block and not recipe.weight_2d:  # torch's W^T, w here, blocked along N
+                w_op = quantize(w, recipe, "weight", -1, None, next(ks))
         dx = matmul(gq, w_op.T).reshape(x.shape).astype(x.dtype)
         x_op, g_op = x2, g2
-        if wq_:
-            x_op = quantize(x2, recipe, "input", 0) if block else xq.reshape(-1, k)
-            g_op = quantize(g2, recipe, "grad", 0) if block else once
+        if wq_:  # the operands g^T and x^T of dW = (g^T x)^T, blocked along M (Hadamard tiles first)
+            gt, xt = (hadamard_tiles(g2.T), hadamard_tiles(x2.T)) if recipe.hadamard else (g2.T, x2.T)
+            g_op = quantize(gt, recipe, "grad", -1, None, next(ks)).T if block else once
+            x_op = quantize(xt, recipe, "input", -1, None, next(ks)).T if block else xq.reshape(-1, k)
         dw = matmul(x_op.T, g_op).astype(w.dtype)
-        return dx, dw
+        if run is None:
+            return dx, dw
+        d_scales = (*amaxes, _amax(g2.astype(_F32))) if delayed else (jnp.float32(0),) * 3
+        return (dx, dw, *d_scales, None)
 
-    fn = jax.custom_vjp(lambda x, w: forward(x, w)[0])
+    fn = jax.custom_vjp(lambda *args: forward(*args)[0])
     fn.defvjp(forward, backward)
     return fn
 

@@ -16,6 +16,10 @@ contrib.amp set-up (why it must come before the network is built: its module doc
 block names) is applied by ``mp.watch(net)``: each named HybridBlock, and every block below it, runs
 its ``hybrid_forward`` with the operators contrib.amp replaced put back and its inputs cast to
 float32, imperatively and hybridized alike (``keep.keep_float32``).
+
+With a recipe (``MixedPrecision("fp8-tensorwise", framework="mxnet")``, ``"mxfp8:scale_rule=floor"``,
+...), ``mp.watch(net)`` makes the ``nn.Dense`` layers outside the recipe's keep list run the recipe's
+quantized GEMMs (``recipe.py``; imperative Gluon); the rest computes as bf16-mixed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 from ..eager import EagerMixedPrecision
 from ..errors import PolyampError
+from ..recipes import recipe_spec
 from .ops import (
     FLOAT_KINDS,
     LOSS_OUTPUTS,
@@ -51,6 +56,46 @@ class MixedPrecision(EagerMixedPrecision):
         if framework is not None:  # named: set up contrib.amp now, before the network is built
             setup_amp(self.policy, self.device)
             LOSS_OUTPUTS.activate(self)
+
+    def _setup(self) -> None:
+        super()._setup()
+        self._quantizer = None
+        self._recipe_layers: list[Any] | None = None  # mp.watch's RecipeDense handles (None: not watched)
+        if self.recipe is not None:
+            from .recipe import Quantizer
+
+            self._quantizer = Quantizer(self.recipe)
+
+    def watch(self, model: Any) -> Any:
+        """``polyamp.MixedPrecision.watch``; with a recipe, also its quantized GEMMs in the net's Dense
+        layers (``recipe.watch``; the keep list is checked before anything is installed)."""
+        if self._quantizer is None:
+            return super().watch(model)
+        from .recipe import unwind, watch
+
+        self._check_mine(model, "model")
+        watch(model, self._quantizer, self.recipe.compute_dtype, dry_run=True)
+        for handle in self._recipe_layers or ():
+            handle.remove()
+        unwind(model)  # a recipe watched before gives way to this one (keep_fp32 wraps the originals)
+        model = super().watch(model)
+        self._recipe_layers = watch(model, self._quantizer, self.recipe.compute_dtype)
+        return model
+
+    def state_dict(self, native: str | None = None) -> Any:
+        """``polyamp.MixedPrecision.state_dict``, plus the recipe's state (delayed-scaling histories, the
+        stochastic-rounding counter)."""
+        out = super().state_dict(native)
+        if native is None and self._quantizer is not None:
+            out["recipe"] = {"name": recipe_spec(self.recipe), "state": self._quantizer.state_dict()}
+        return out
+
+    def load_state_dict(self, state: Any) -> None:
+        saved = self._saved_recipe(state)
+        super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
+                                if isinstance(state, dict) else state)  # fmt: skip
+        if saved is not None:
+            self._quantizer.load_state_dict(saved["state"])
 
     def trainer(self, trainer: Any):
         """Prepare a ``gluon.Trainer`` for loss scaling (it must not update on the kvstore);
@@ -90,6 +135,11 @@ class MixedPrecision(EagerMixedPrecision):
         """Context manager yielding ``loss * scale`` (a list for a list of losses) to backpropagate."""
         self._check_mine(trainer, "trainer")
         check_trainer(trainer)
+        if self._quantizer is not None and self._recipe_layers is None:
+            raise PolyampError(
+                f"the {self.recipe.name!r} recipe quantizes the Dense layers of a watched net: call "
+                "mp.watch(net) once before training"
+            )
         losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]
         for item in losses:
             if not isinstance(item, mx.nd.NDArray) or dtype_name(item.dtype) not in FLOAT_KINDS:

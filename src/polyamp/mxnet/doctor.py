@@ -70,6 +70,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..doctor import blocks as _blocks
 from ..doctor.histogram import LogHistogram
 from ..doctor.recommend import KINDS, Observation
 from ..doctor.taps import leaves as _leaves
@@ -91,9 +92,10 @@ from .keep import blocks, dtype_name, float32_operators, layers
 from .ops import autograd, gluon, mx
 
 
-def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> list[Observation]:
+def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measure=()) -> list[Observation]:
     """Observe ``steps`` float32 training steps of ``model`` on ``batch``; the model, its gradients and
-    the trainer ``optimizer`` are left exactly as they were (module docstring)."""
+    the trainer ``optimizer`` are left exactly as they were (module docstring). ``measure``:
+    ``blocks.Target``s, measured on a numpy copy (``.asnumpy()``) by ``blocks.measure``."""
     _check(model, batch, loss_fn, steps, optimizer)
     table = layers(model)
     params = _parameters(model, optimizer)
@@ -104,6 +106,7 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
     found: dict[tuple[str, str], list[LogHistogram]] = defaultdict(list)
     taps: list[tuple[str, mx.nd.NDArray, mx.nd.NDArray]] = []
     wrapped, scratch, addends = [], _Scratch(), _Addends()
+    meter = _blocks.Meter(tuple(measure), lambda x: x.asnumpy())
     try:
         with float32_operators():
             for block, _ in hybrid:
@@ -114,7 +117,7 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
                     vars(layer.block)["forward"] = _tapped(layer.name, layer.block.forward, taps, addends)
             sandbox.enter(scratch)
             for step in range(steps):
-                weights = _step(model, batch, loss_fn, table, sandbox, found, taps, scratch)
+                weights = _step(model, batch, loss_fn, table, sandbox, found, taps, scratch, meter)
                 if optimizer is None:
                     continue
                 optimizer.step(1, ignore_stale_grad=True)
@@ -136,7 +139,8 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
         sandbox.restore()
         for d, flag in fresh:
             d._fresh_grad = flag
-    return [Observation(layer.name, kind, found[layer.name, kind][0].merge(*found[layer.name, kind][1:]))
+    return [Observation(layer.name, kind, found[layer.name, kind][0].merge(*found[layer.name, kind][1:]),
+                        _blocks.merged(meter.parts, (layer.name, kind)))
             for layer in table for kind in KINDS if found.get((layer.name, kind))]  # fmt: skip
 
 
@@ -191,7 +195,7 @@ class _Sandbox:
             self.trainer_state.restore()
 
 
-def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch) -> dict[int, LogHistogram]:
+def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch, meter) -> dict[int, LogHistogram]:
     """Forward and backward with taps, then the histograms; returns each layer parameter's weight
     histogram by id. The binning waits for MXNet's queued work (``mx.nd.waitall``): run at once,
     MXNet's kernels and numpy's binning (and its Python, holding the GIL) slow each other down by
@@ -202,6 +206,8 @@ def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch) -> dict[i
     sandbox.binned.clear()
     for layer in table:
         found[layer.name, "weight"] += [weights[id(p)] for p in layer.params]
+        for p in layer.params:
+            meter.add(layer.name, "weight", p.data())
     taps.clear()
     with autograd.record(train_mode=True):
         loss = _loss(model, batch, loss_fn)
@@ -216,11 +222,15 @@ def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch) -> dict[i
     mx.nd.waitall()
     for name, out, z in taps:
         found[name, "output"].append(histogram(out, scratch))
+        meter.add(name, "output", out)
         if z._fresh_grad:
             found[name, "grad_output"].append(histogram(z.grad, scratch))
+            meter.add(name, "grad_output", z.grad)
     for layer in table:
         grads = [p.grad() for p in layer.params if p.grad_req != "null" and p.data()._fresh_grad]
         found[layer.name, "grad_weight"] += [histogram(g, scratch) for g in grads]
+        for g in grads:
+            meter.add(layer.name, "grad_weight", g)
     return weights
 
 

@@ -3,6 +3,7 @@
 from .blocks import BLOCK_FORMATS, decode_blocks, encode_blocks, quantize_blocks
 from .codes import decode, encode, neighbours
 from .formats import FORMATS, FloatFormat, get_format
+from .hadamard import hadamard_tiles
 from .rounding import ROUNDINGS, quantize
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "encode",
     "encode_blocks",
     "get_format",
+    "hadamard_tiles",
     "neighbours",
     "quantize",
     "quantize_blocks",

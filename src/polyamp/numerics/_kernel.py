@@ -87,3 +87,14 @@ def quantize_kernel(x, out, mbits, emin, emax, maxval, overflow, mode, pos_zero,
         for i in nb.prange(x.size):
             out[i] = _element(np.float64(x[i]), i, m, emin_b, emaxp1_b, maxval, overflow, 1,
                               pos_zero, key)  # fmt: skip
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def uniform_grid(key, first, row_step, col_step, out):
+    """out[r, c] = the stream's uniform of flat index first + r * row_step + c * col_step (``_uniform``:
+    splitmix64 of key + (index + 1) * golden, 53 bits); ``out`` a 2-D float64 array, filled in place."""
+    rows, cols = out.shape
+    for r in nb.prange(rows):
+        base = first + r * row_step
+        for c in range(cols):
+            out[r, c] = _uniform(key, base + c * col_step)

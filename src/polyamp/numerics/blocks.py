@@ -416,7 +416,7 @@ def _axes(axis, ndim: int, count: int) -> tuple[int, ...]:
 def _input(x) -> np.ndarray:
     if type(x).__module__.split(".")[0] in ("torch", "tensorflow", "jax", "jaxlib", "mxnet"):
         raise PolyampError(
-            f"quantize_blocks takes numpy arrays, torch tensors and JAX arrays, got a {type(x).__module__}."
+            f"quantize_blocks takes numpy arrays, torch/TF/JAX/MXNet tensors, got a {type(x).__module__}."
             f"{type(x).__name__} (no kernel for it yet); convert it with np.asarray (or .numpy()) first"
         )
     return _as_float_array(x)

@@ -88,7 +88,7 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
     return out[()] if out.ndim == 0 else out
 
 
-_FRONT_ENDS = ("torch", "jax")  # frameworks whose front end has a ``quantize`` module (framework ops)
+_FRONT_ENDS = ("torch", "tensorflow", "jax", "mxnet")  # front ends with a ``quantize`` module (framework ops)
 
 
 def _framework_tensor(x):
@@ -220,6 +220,17 @@ def _kernel():
     return quantize_kernel
 
 
+@lru_cache(maxsize=1)
+def uniform_grid_kernel():
+    """The compiled stream of ``_uniform53`` over a 2-D grid of flat indices (``_kernel.uniform_grid``),
+    or None as for ``_kernel``: the torch front end's stochastic rounding on the CPU takes it."""
+    if _kernel() is None:
+        return None
+    from ._kernel import uniform_grid
+
+    return uniform_grid
+
+
 def backend() -> str:
     """Which implementation ``quantize`` uses for 32/64-bit input: 'numba' or 'numpy'."""
     return "numba" if _kernel() is not None else "numpy"
@@ -258,7 +269,7 @@ def _as_float_array(x) -> np.ndarray:
         return np.asarray(exact_float64(x), dtype=np.float64)
     if type(x).__module__.split(".")[0] in ("torch", "tensorflow", "jax", "jaxlib", "mxnet"):
         raise PolyampError(
-            f"quantize takes numpy arrays, torch tensors and JAX arrays, got a {type(x).__module__}."
+            f"quantize takes numpy arrays, torch/TF/JAX/MXNet tensors, got a {type(x).__module__}."
             f"{type(x).__name__} (no kernel for it yet); convert it with np.asarray (or .numpy()) first"
         )
     try:

@@ -33,6 +33,9 @@
 - ``keep_fp32`` (layer names as ``polyamp.tensorflow.doctor.collect`` gives them): ``mp.watch(model)``
   sets those layers (and the layers below them) to the "float32" Keras dtype policy (``keep.py``);
   under a 16-bit policy, ``mp.apply`` and ``mp.optimizer`` ask for that ``watch`` first.
+- With a recipe (``MixedPrecision("mxfp8")``), ``mp.watch(model)`` makes the model's Dense layers run
+  the recipe's quantized GEMMs (``recipe.py``); ``mp.apply`` and ``mp.optimizer`` ask for it first, and
+  ``state_dict()`` holds the recipe's state (the stochastic-rounding counter, delayed-scaling histories).
 """
 
 from __future__ import annotations
@@ -44,12 +47,15 @@ import tensorflow as tf
 
 from ..errors import PolyampError
 from ..mixed_precision import MixedPrecision as _Base
+from ..recipes import recipe_spec
 from ..scaling import LossScaleState, NoLossScale
 from ..step import StepResult, check_clip_norm
 from .keep import keep_float32
 from .model_check import check_model_layers, check_traced_loss
 from .policies import KERAS_POLICIES, check_keras, keras_policy, keras_scope
 from .step import LossScaleVariables, attach, check_optimizer, check_pairs, run_step, variable_name
+
+_COMPUTE = {"bf16": tf.bfloat16, "fp32": tf.float32}
 
 
 class MixedPrecision(_Base):
@@ -61,6 +67,12 @@ class MixedPrecision(_Base):
         self._names: dict[int, str] = {}
         self._variables: LossScaleVariables | None = None
         self._kept: list[str] = []  # the layers mp.watch set to float32 for keep_fp32
+        self._dense = None  # the recipe's DenseLayers, from mp.watch(model)
+        self._quantizer = None
+        if self.recipe is not None:
+            from .recipe import Quantizer
+
+            self._quantizer = Quantizer(self.recipe)
 
     @property
     def state(self) -> LossScaleState:
@@ -151,13 +163,45 @@ class MixedPrecision(_Base):
         self._check_mine(model, "model")
         if not isinstance(model, (keras.layers.Layer, tf.Module)):
             raise PolyampError(f"expected a Keras model or layer, got {type(model).__name__}")
+        dense = None
+        if self._quantizer is not None:  # the keep list checked before anything is changed
+            from .recipe import DenseLayers
+
+            dense = DenseLayers(model, self.recipe.keep)
         check_model_layers(model, self.policy)
         if self.keep_fp32 and self.policy.compute_dtype != "float32":
             self._kept += keep_float32(model, self.keep_fp32)
         self._names.update({id(v): variable_name(v) for v in model.variables})
+        if dense is not None:
+            if self._dense is not None:
+                self._dense.remove()
+            dense.install(self._quantizer, _COMPUTE[self.recipe.compute_dtype])
+            self._dense = dense
         return model
 
+    def state_dict(self, native: str | None = None) -> Any:
+        """``polyamp.MixedPrecision.state_dict``, plus the recipe's state (counter, amax histories)."""
+        out = super().state_dict(native)
+        if native is None and self._quantizer is not None:
+            out["recipe"] = {"name": recipe_spec(self.recipe), "state": self._quantizer.state_dict()}
+        return out
+
+    def load_state_dict(self, state: Any) -> None:
+        saved = self._saved_recipe(state)
+        if saved is not None and self._dense is None and saved["state"].get("delayed"):
+            raise PolyampError("the checkpoint holds amax histories of a model's layers: call "
+                               "mp.watch(model) before mp.load_state_dict(...)")  # fmt: skip
+        super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
+                                if isinstance(state, dict) else state)  # fmt: skip
+        if saved is not None:
+            self._quantizer.load_state_dict(saved["state"])
+
     def _check_kept(self) -> None:
+        if self._quantizer is not None and self._dense is None:
+            raise PolyampError(
+                f"the {self.recipe.name!r} recipe quantizes the Dense layers of a watched model: call "
+                "mp.watch(model) once before training (before mp.optimizer(...) for fit)"
+            )
         if self.keep_fp32 and self.policy.compute_dtype != "float32" and not self._kept:
             raise PolyampError(
                 f"keep_fp32={self.keep_fp32!r} applies to a model: call mp.watch(model) once before "

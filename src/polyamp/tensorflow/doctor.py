@@ -53,6 +53,10 @@ forward's wrapped with the input shapes) or a tapped layer runs inside a graph o
 ``tf.while_loop``, ``tf.cond``, an RNN's step: its outputs could not be recorded), or when the traced step
 fails when run (an assertion in the loss: then after a restore, eagerly, for the error an eager step
 raises). The checks' ``PolyampError``\\ s are the same either way.
+
+Measured formats (``measure``: block formats and recipes, ``doctor/blocks.py``): the step runs eagerly,
+and each output, output gradient, weight and weight gradient is copied to numpy (``.numpy()``) and
+measured by the numpy reference ``blocks.measure``.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
+from ..doctor import blocks as _blocks
 from ..doctor.histogram import LogHistogram
 from ..doctor.recommend import KINDS, Observation
 from ..doctor.taps import type_name as _type
@@ -77,16 +82,18 @@ from .policies import check_keras
 from .snapshot import Snapshot, global_seed_generator
 
 
-def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> list[Observation]:
+def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measure=()) -> list[Observation]:
     """Observe ``steps`` float32 training steps of ``model`` on ``batch``; the model, its variables and
-    ``optimizer`` are left exactly as they were (module docstring)."""
+    ``optimizer`` are left exactly as they were (module docstring). ``measure``: ``blocks.Target``s."""
     _check(model, batch, loss_fn, steps, optimizer)
     job = _Job(model, batch, loss_fn, optimizer)
+    job.meter = _blocks.Meter(tuple(measure), lambda t: t.numpy(), kernels_in_out=True)
     try:
-        found = job.run(job.eager if tf.config.functions_run_eagerly() else job.traced, steps)
+        eager = tf.config.functions_run_eagerly() or bool(measure)
+        found = job.run(job.eager if eager else job.traced, steps)
     except _Untraceable:
         found = job.run(job.eager, steps)
-    return [Observation(name, kind, _merged(found[name, kind]))
+    return [Observation(name, kind, _merged(found[name, kind]), _blocks.merged(job.meter.parts, (name, kind)))
             for name, _, _ in job.layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
 
 
@@ -115,6 +122,7 @@ class _Job:
         self.layers = _layers(model)
         self.trainable = list({id(v): v for v in model.trainable_variables}.values())
         self.sink = _Sink()
+        self.meter = _blocks.Meter((), None)  # the measured formats' statistics
 
     def run(self, steps_of, steps: int) -> dict[tuple[str, str], list[LogHistogram]]:
         """``steps_of(steps, snapshot)`` in float32, everything put back afterwards."""
@@ -186,6 +194,7 @@ class _Job:
                 for name, kind, t in observed:
                     found[name, kind].append(ratio_histogram(t[0] - t[1], t[1]) if kind == "update_ratio"
                                              else histogram(t))  # fmt: skip
+                    self.meter.add(name, kind, t)
                 before.update(after)
         return found
 

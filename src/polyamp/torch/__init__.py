@@ -16,6 +16,7 @@ from typing import Any
 
 from ..eager import EagerMixedPrecision
 from ..errors import PolyampError
+from ..recipes import recipe_spec
 from .ops import TorchOps, default_device
 
 
@@ -72,15 +73,11 @@ class MixedPrecision(EagerMixedPrecision):
         """``polyamp.MixedPrecision.state_dict``, plus the recipe's state (delayed-scaling histories)."""
         out = super().state_dict(native)
         if native is None and self._quantizer is not None:
-            out["recipe"] = {"name": self.recipe.name, "state": self._quantizer.state_dict()}
+            out["recipe"] = {"name": recipe_spec(self.recipe), "state": self._quantizer.state_dict()}
         return out
 
     def load_state_dict(self, state: Any) -> None:
-        saved = state.get("recipe") if isinstance(state, dict) else None
-        ours = self.recipe.name if self.recipe is not None else None
-        if (saved or {}).get("name") != ours and isinstance(state, dict) and "policy" in state:
-            raise PolyampError(f"the checkpoint was saved with recipe {(saved or {}).get('name')!r}, this "
-                               f"run uses {ours!r}; create MixedPrecision with the checkpoint's to resume it")
+        saved = self._saved_recipe(state)
         super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
                                 if isinstance(state, dict) else state)  # fmt: skip
         if saved is not None:

@@ -23,6 +23,12 @@ Then (also when the loss or the model raises) everything is put back, bitwise. O
 
 Binning: ``binning.py`` (on the device, exact; the last step's update goes into its gradients and working
 values, which nothing reads any more).
+
+Measured formats (``measure``: block formats and recipes, ``doctor/blocks.py``): each output, output
+gradient, weight (at the start of each step) and weight gradient is cast on its device by
+``polyamp.torch.quantize`` (``quantize_blocks``; tensorwise ``quantize(fp32(x * scale), saturate) /
+scale``) and counted there (``measure_tensor``); the blocks' amaxes go to the host for the clip
+thresholds (``blocks.plan``), so each tensor and target costs a host round trip.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..doctor import blocks as _blocks
 from ..doctor.recommend import KINDS, Observation
 from ..doctor.taps import leaves as _leaves
 from ..doctor.taps import type_name as _type
@@ -45,10 +52,12 @@ from .binning import Part, Scratch, binned, binned_many, merged, ratio_binned, r
 
 _MASK, _INF = 0x7FFFFFFF, 0x7F800000
 
-def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> list[Observation]:
+
+def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measure=()) -> list[Observation]:
     """Observe ``steps`` float32 training steps of ``model`` on ``batch``; the model, its gradients and
-    ``optimizer`` are left exactly as they were (module docstring)."""
+    ``optimizer`` are left exactly as they were (module docstring). ``measure``: ``blocks.Target``s."""
     _check(model, batch, loss_fn, steps, optimizer)
+    meter = _Meter(tuple(measure)) if measure else None
     layers = _layers(model)
     opt_params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
     opt_params = list({id(p): p for p in opt_params}.values())
@@ -71,16 +80,21 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
                 copies = _WorkingCopies(optimizer, opt_params, {id(g) for _, g in grads if g is not None})
                 before, spare = stack.enter_context(copies), copies.spare
             model.train()
-            handles = [m.register_forward_hook(_output_hook(name, found, scratch))
+            handles = [m.register_forward_hook(_output_hook(name, found, scratch, meter))
                        for name, m, _ in layers if m is not None]  # fmt: skip
             for step in range(steps):
                 for p in params:
                     p.grad = None
                 unstepped = [(n, p) for n, _, ps in layers for p in ps if id(p) not in stepped]
                 _bin_into(found, "weight", unstepped, scratch)  # a stepped one's is binned with its update
+                if meter:
+                    meter.add_all("weight", [(n, p) for n, _, ps in layers for p in ps])
                 _loss(model, batch, loss_fn).backward()
                 _bin_into(found, "grad_weight", [(n, p.grad) for n, _, ps in layers for p in ps
                                                  if p.grad is not None], scratch)  # fmt: skip
+                if meter:
+                    meter.add_all("grad_weight", [(n, p.grad) for n, _, ps in layers for p in ps
+                                                  if p.grad is not None])  # fmt: skip
                 if optimizer is None:
                     continue
                 optimizer.step()
@@ -112,8 +126,99 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None) -> li
     keys = list(found)  # on an accelerator: everything read back at once
     flat = iter(settle([part for key in keys for part in found[key]]))
     found = {key: [next(flat) for _ in found[key]] for key in keys}
-    return [Observation(name, kind, merged(found[name, kind]))
+    parts = meter.parts if meter else {}
+    return [Observation(name, kind, merged(found[name, kind]), _blocks.merged(parts, (name, kind)))
             for name, _, _ in layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
+
+
+class _Meter:
+    """The measured targets' statistics of each tapped tensor: ``parts[(layer, kind)][label]``."""
+
+    def __init__(self, targets: tuple):
+        self.targets = targets
+        self.parts: dict = defaultdict(lambda: defaultdict(list))
+
+    def add(self, name: str, kind: str, t: torch.Tensor) -> None:
+        for target in self.targets:
+            if kind in target.casts:
+                self.parts[name, kind][target.label].append(measure_tensor(t, target.casts[kind]))
+
+    def add_all(self, kind: str, named: list) -> None:
+        for name, t in named:
+            self.add(name, kind, t)
+
+
+def measure_tensor(t: torch.Tensor, cast: _blocks.Cast) -> _blocks.Measured:
+    """``blocks.measure`` of a torch tensor, on its device with ``polyamp.torch.quantize``'s kernels: the
+    tensor as float32 cast and counted in a zero-padded blocked view (padding is zero: never counted)."""
+    x = t.detach()
+    x = (x if x.dtype == torch.float32 else x.float()).reshape(x.shape if x.ndim else (1,))
+    if not x.numel():
+        return _blocks.Measured()
+    block = cast.block_for(x.ndim)
+    xb, dims = _blocked(x, block if cast.scaling == "block" else ())
+    ab = xb.abs()
+    amax = ab.amax(dims, keepdim=True).cpu().numpy()  # NaN and inf propagate: a block to look at
+    if not np.isfinite(amax).all():
+        return _measure_nonfinite(x, xb, ab, dims, cast, block)
+    thr, scale = _blocks.plan(cast, amax, np.zeros(amax.shape, bool))
+    q = _cast(x, cast, block, scale)
+    qb, _ = _blocked(q, block if cast.scaling == "block" else ())
+    thr_t = torch.from_numpy(thr).to(x.device)
+    # all finite: a zero x casts to zero, so underflow = zeros of q - zeros of x (padding in both)
+    zx, zq, clip = torch.stack([(xb == 0).sum(), (qb == 0).sum(), (ab > thr_t).sum()]).tolist()
+    x64 = x.reshape(-1).double()
+    d = q.reshape(-1).double().sub_(x64)
+    return _blocks.Measured(x.numel(), 0, xb.numel() - zx, zq - zx, clip, 0, float(d.dot(d)),
+                            float(x64.dot(x64)))  # fmt: skip
+
+
+def _cast(x: torch.Tensor, cast: _blocks.Cast, block: tuple[int, ...], scale) -> torch.Tensor:
+    """``x`` cast by ``polyamp.torch.quantize`` as ``cast`` says (tensorwise at ``scale``), float32."""
+    from .quantize import quantize, quantize_blocks
+
+    if cast.scaling == "tensorwise":
+        s = torch.tensor(scale, dtype=torch.float32, device=x.device)
+        return quantize(x * s, cast.format, rounding=cast.rounding, saturate=True, seed=cast.seed).float() / s
+    axis = (-2, -1) if len(block) == 2 else -1
+    return quantize_blocks(x, cast.format, axis=axis, block=block, scale_rule=cast.scale_rule,
+                           rounding=cast.rounding, seed=cast.seed)  # fmt: skip
+
+
+def _measure_nonfinite(x, xb, ab, dims, cast: _blocks.Cast, block) -> _blocks.Measured:
+    """``measure_tensor`` of a tensor holding inf or NaN: finite amaxes, spoiled blocks, masks."""
+    finite = torch.isfinite(ab)
+    amax = torch.where(finite, ab, 0.0).amax(dims, keepdim=True)
+    bad = (~finite).sum(dims, keepdim=True) > 0
+    thr, scale = _blocks.plan(cast, amax.cpu().numpy(), bad.cpu().numpy())
+    qb, _ = _blocked(_cast(x, cast, block, scale), block if cast.scaling == "block" else ())
+    good = finite & ~bad if cast.scaling == "block" else finite  # tensorwise: no block turns NaN
+    nonzero = finite & (ab != 0)
+    ok = nonzero & good
+    thr_t = torch.from_numpy(thr).to(x.device)
+    d = torch.where(good, qb.double() - xb.double(), 0.0)
+    e = torch.where(good, ab, 0.0).double()
+    counts = torch.stack([(~finite).sum(), nonzero.sum(), (ok & (qb == 0)).sum(), (ok & (ab > thr_t)).sum(),
+                          (nonzero & ~good).sum()]).tolist()  # fmt: skip
+    nonfinite, nz, under, clip, spoiled = counts
+    return _blocks.Measured(x.numel(), nonfinite, nz, under, clip, spoiled, float((d * d).sum()),
+                            float((e * e).sum()))  # fmt: skip
+
+
+def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x`` zero-padded and viewed as blocks, and the dims a block spans: () -> the whole tensor one
+    block; (B,) -> blocks of B along the last axis; (16, 16) -> tiles of the last two axes."""
+    if not block:
+        return x.reshape(1, -1), (1,)
+    if len(block) == 1:
+        (b,) = block
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = torch.nn.functional.pad(x2, (0, -x2.shape[1] % b))
+        return x2.reshape(x2.shape[0], -1, b), (2,)
+    h, w = x.shape[-2:]
+    x3 = torch.nn.functional.pad(x.reshape(-1, h, w), (0, -w % block[1], 0, -h % block[0]))
+    tiles = (x3.shape[0], x3.shape[1] // block[0], block[0], x3.shape[2] // block[1], block[1])
+    return x3.reshape(tiles), (2, 4)
 
 
 def _bin_into(found, kind: str, named: list, scratch: Scratch) -> None:
@@ -240,14 +345,18 @@ def _layers(model: nn.Module) -> list[tuple[str, nn.Module | None, list[torch.Te
     return layers
 
 
-def _output_hook(name: str, found, scratch: Scratch):
+def _output_hook(name: str, found, scratch: Scratch, meter: _Meter | None):
     def grad_hook(grad):
         found[name, "grad_output"].append(binned(grad, scratch))
+        if meter:
+            meter.add(name, "grad_output", grad)
 
     def hook(module, inputs, output):
         for t in _leaves(output):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 found[name, "output"].append(binned(t, scratch))
+                if meter:
+                    meter.add(name, "output", t)
                 if t.requires_grad:
                     t.register_hook(grad_hook)
 

@@ -26,9 +26,20 @@ element rounding above indexed by position in ``x``, then ``element * scale (* g
 to the result dtype. No Python branch depends on the data (except that ``.item()``): both compile
 with ``torch.compile(fullgraph=True)`` (TorchScript cannot trace them: it has no ``view(dtype)``).
 The result never requires grad. float64 is needed on the device (MPS has none).
+
+Whole blocks of input no wider than float32, in a contiguous tensor or the ``.t()`` of one, take a
+faster eager route (``_plane``; MX with nearest rounding, and NVFP4): the blocks are tiles of the
+storage's 2-D view (no transposed copy), the amax comes from max pools, and the element passes run
+in chunks over scratch buffers kept per thread (fresh large temporaries spend most of their time
+faulting pages in), MX elements rounded in float32 and NVFP4's from the core's float64 quotient by
+adding and subtracting a power of two (``_mx_plane``, ``_nvfp4_plane`` say why that is exact). It
+reads one flag of the data (whether any block holds NaN / inf); under ``torch.compile`` the general
+route runs.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -37,7 +48,7 @@ import torch.nn.functional as F
 from ..errors import PolyampError
 from ..numerics import blocks as _blocks
 from ..numerics.formats import FloatFormat, get_format
-from ..numerics.rounding import _MODE, _flag, _mix, _result_name, _rounding, _seed
+from ..numerics.rounding import _MODE, _flag, _mix, _result_name, _rounding, _seed, uniform_grid_kernel
 
 # by name: torch.compile (2.11) cannot trace a dict keyed by numpy dtypes
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -77,11 +88,11 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
     shape = _blocks._block_shape(bf, block)
     axes = _blocks._axes(axis, x.ndim, len(shape))
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if (bf.scale.name == "e8m0fnu" and bf.element.name in _FLOAT8 and mode == _MODE["nearest"]
-            and dtype == torch.float32 and len(shape) == 1 and x.shape[axes[0]] % shape[0] == 0):
-        return _mx_float8(x, bf, axes[0], rule)
-    if bf.name == "nvfp4" and dtype == torch.float32 and _trailing(x.shape, axes, shape):
-        return _nvfp4_trailing(x, bf, shape, mode, seed or 0)
+    plane = _plane(x, axes, shape) if dtype == torch.float32 else None
+    if plane is not None and bf.scale.name == "e8m0fnu" and mode == _MODE["nearest"]:
+        return _mx_plane(*plane, bf, rule)
+    if plane is not None and bf.name == "nvfp4":
+        return _nvfp4_plane(*plane, bf, mode, seed or 0)
     x64 = x.to(torch.float64)
     a = x64.abs()
     amax = _block_amax(a, axes, shape)
@@ -96,7 +107,8 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
         scaled = x64 * _pow2(-_expand(k, axes, shape, x64.shape))
         elements = _round_elements(scaled, bf.element, mode, seed, x.dtype != torch.float64)
     else:
-        g = _nvfp4_global(a, x.dtype)
+        finite = torch.where(torch.isfinite(a), a, 0.0)
+        g = _nvfp4_global(finite.amax() if a.numel() else finite.new_zeros(()), x.dtype)
         scales = _round(amax / (bf.element.max * g), bf.scale, _MODE["nearest"], True, 0)
         den = _expand(scales, axes, shape, x64.shape) * g
         zero = den == 0  # s_block rounded to 0: the block holds +-0
@@ -112,57 +124,195 @@ def quantize_blocks(x: torch.Tensor, fmt: str, axis=-1, block=None, scale_rule: 
 
 
 _FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_PLANE_CHUNK = 1 << 18  # most elements per pass on CPU (whole tile rows, split if wider)
+_SCRATCH = threading.local()
+_EXP64 = 0x7FF << 52
 
 
-def _trailing(full, axes, shape) -> bool:
-    """Blocks on the last axes in order, each a whole number of blocks: a reshape holds them."""
-    n = len(full)
-    return tuple(axes) == tuple(range(n - len(shape), n)) and all(
-        full[a] % b == 0 for a, b in zip(axes, shape))  # fmt: skip
+def _plane(x: torch.Tensor, axes, shape):
+    """``(P, tile, transposed)`` when ``x``'s blocks are whole ``tile``s (rows, columns) of a contiguous
+    2-D view ``P`` of its storage (``x`` is ``P`` reshaped, or ``P.t()`` if ``transposed``); else None."""
+    n = x.ndim
+    if n == 0 or x.numel() == 0 or torch.compiler.is_compiling():
+        return None
+    if x.is_contiguous():
+        p, transposed = x.reshape(-1, x.shape[-1]), False
+        if len(shape) == 2:
+            tile = (16, 16) if sorted(axes) == [n - 2, n - 1] and x.shape[-2] % 16 == 0 else None
+        else:
+            tile = (1, shape[0]) if axes[0] == n - 1 else (shape[0], 1) if n == 2 else None
+    elif n == 2 and x.t().is_contiguous():
+        p, transposed = x.t(), True
+        tile = (16, 16) if len(shape) == 2 else (shape[0], 1) if axes[0] == 1 else (1, shape[0])
+    else:
+        return None
+    if tile is None or p.shape[0] % tile[0] or p.shape[1] % tile[1]:
+        return None
+    return p, tile, transposed, x.shape
 
 
-def _nvfp4_trailing(x: torch.Tensor, bf, shape, mode: int, seed: int) -> torch.Tensor:
-    """NVFP4 blocks on ``x``'s trailing axes (``_trailing``), ``x`` no wider than float32: the steps above
-    on a reshape of ``x`` (the block values broadcast, none expanded), the quotient and the products in
-    float64 as there, the elements by ``_round_elements`` in ``x``'s own order (the stochastic index)."""
-    x32 = x.float()
-    lead = x32.shape[: x32.ndim - len(shape)]
-    split = [*lead]
-    for n, b in zip(x32.shape[len(lead) :], shape):
-        split += [n // b, b]
-    inner = tuple(range(len(lead) + 1, len(split), 2))  # the within-block dims
-    a = x32.abs()
-    amax = a.reshape(split).amax(dim=inner, keepdim=True)  # NaN wins
+def _tiles(t: torch.Tensor, tile) -> torch.Tensor:
+    """The rows of ``t`` (2-D) as (row tiles, tile rows, column tiles, tile columns)."""
+    return t.view(t.shape[0] // tile[0], tile[0], t.shape[1] // tile[1], tile[1])
+
+
+def _passes(p: torch.Tensor, tile, count: int):
+    """``p``'s passes: (rows and columns of ``p``, the same of the per-tile tensors, ``count`` 8-byte scratch
+    buffers of the pass's shape). On CPU a pass is a rectangle of whole tiles of at most ``_PLANE_CHUNK``
+    elements (whole rows unless a row of tiles is larger), and the buffers are kept per thread: the
+    passes reuse warm memory instead of faulting in fresh pages, and there are few of them."""
+    rows, cols = p.shape
+    width, step = cols, rows
+    if p.device.type == "cpu":
+        width = min(cols, max(tile[1], _PLANE_CHUNK // tile[0] // tile[1] * tile[1]))
+        step = tile[0] * max(1, _PLANE_CHUNK // (tile[0] * width))
+    have = getattr(_SCRATCH, "buffers", []) if p.device.type == "cpu" else []
+    if len(have) < count or have[0].numel() < step * width:
+        have = [torch.empty(max(step * width, _PLANE_CHUNK), dtype=torch.float64, device=p.device)
+                for _ in range(max(count, len(have)))]  # fmt: skip
+        if p.device.type == "cpu":
+            _SCRATCH.buffers = have
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        for c0 in range(0, cols, width):
+            c1 = min(c0 + width, cols)
+            m = (r1 - r0) * (c1 - c0)
+            tiles = slice(r0 // tile[0], r1 // tile[0]), slice(c0 // tile[1], c1 // tile[1])
+            yield (slice(r0, r1), slice(c0, c1)), tiles, [b[:m].view(r1 - r0, c1 - c0) for b in have[:count]]
+
+
+def _spread(per_tile: torch.Tensor, tiles) -> torch.Tensor:
+    """A pass's entries of a per-tile tensor, broadcasting over ``_tiles`` of the pass."""
+    return per_tile[tiles][:, None, :, None]
+
+
+def _half(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An 8-byte buffer's first half as the 4-byte ``dtype``, in the buffer's shape."""
+    return buf.view(-1).view(dtype)[: buf.numel()].view(buf.shape)
+
+
+def _tile_amax(p: torch.Tensor, tile) -> torch.Tensor:
+    """max |x| over each tile of ``p`` (NaN wins) as float64, (row tiles, column tiles): per pass, |x| into
+    a buffer, then a max pool along the rows (fast for short tiles) and a max over the tile's rows."""
+    tr, tc = tile
+    amax = torch.empty(p.shape[0] // tr, p.shape[1] // tc, dtype=torch.float32, device=p.device)
+    for area, tiles, (buf,) in _passes(p, tile, 1):
+        a = _half(buf, torch.float32).copy_(p[area]).abs_()
+        if tc > 1:  # NaN wins either way
+            a = F.max_pool1d(a.unsqueeze(1), tc).squeeze(1) if tc < 32 else a.view(len(a), -1, tc).amax(-1)
+        torch.amax(a.view(-1, tr, a.shape[-1]), 1, out=amax[tiles])
+    return amax.double()
+
+
+def _signed(r: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """``r`` (>= 0 or NaN) given the sign bits ``sign`` (``x``'s, masked): copysign in one integer pass."""
+    r.view(sign.dtype).bitwise_or_(sign)
+    return r
+
+
+def _plane_out(p: torch.Tensor, transposed: bool, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 result in ``p``'s layout, and as ``x`` (``shape``)."""
+    out = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+    return out, (out.t() if transposed else out.view(shape))
+
+
+def _mx_plane(p: torch.Tensor, tile, transposed: bool, shape, bf, rule: str) -> torch.Tensor:
+    """MX blocks, nearest, of ``x`` no wider than float32 in whole tiles (``_plane``), in float32 passes:
+    ``s = x * 2^-k`` is exact down to far below half the element's smallest subnormal (smaller values
+    become 0 either way); it is rounded to the element grid by ``(|s| + c) - c`` with ``c =
+    2^(max(E, emin) - mbits + 23)``, E the exponent of ``|s|``: the sum lies in c's binade, whose spacing
+    is the grid's at ``|s|``, so float32's addition rounds it to nearest, ties to even, and the
+    subtraction is exact; then clamped to the element's max (saturation), signed, and ``* 2^k``, one
+    rounding of the exact product as the core's float32 cast of it."""
+    elem = bf.element
+    amax = _tile_amax(p, tile)
     bad = ~torch.isfinite(amax)
-    g = _nvfp4_global(a, x.dtype)
-    scales = _round(torch.where(bad, 0.0, amax).double() / (bf.element.max * g), bf.scale, _MODE["nearest"],
-                    True, 0)  # fmt: skip
-    den = scales * g
-    zero = den == 0  # s_block rounded to 0: the block holds +-0
-    x64 = x32.double().reshape(split)
-    q = torch.where(zero, torch.copysign(torch.zeros_like(x64), x64), x64 / torch.where(zero, 1.0, den))
-    elements = _round_elements(q.reshape(x.shape), bf.element, mode, seed, False).reshape(split)
-    v = elements * torch.where(bad, torch.nan, scales) * g
-    return v.reshape(x.shape).float()
+    k = _mx_exponent(torch.where(bad, 0.0, amax), elem, rule)
+    down, up = _pow2(-k).float(), torch.where(bad, torch.nan, _pow2(k)).float()
+    low, shift, fmax = (elem.emin + 127) << 23, (23 - elem.mbits) << 23, float(elem.max)
+    out, result = _plane_out(p, transposed, shape)
+    for area, tiles, bufs in _passes(p, tile, 2):
+        s = _tiles(out[area].copy_(p[area]), tile).mul_(_spread(down, tiles))
+        sign, c = (_tiles(_half(b, torch.int32), tile) for b in bufs)
+        torch.bitwise_and(s.view(torch.int32), -(1 << 31), out=sign)
+        c = torch.bitwise_and(s.view(torch.int32), 0x7F800000, out=c).clamp_(min=low).add_(shift)
+        c = c.view(torch.float32)
+        _signed(s.abs_().add_(c).sub_(c).clamp_(max=fmax), sign).mul_(_spread(up, tiles))
+    return result
 
 
-def _mx_float8(x: torch.Tensor, bf, axis: int, rule: str) -> torch.Tensor:
-    """MX blocks of e4m3fn / e5m2 elements, nearest, along ``axis`` whose length the block divides, of
-    ``x`` no wider than float32: the steps above in float32 (a block of whole blocks is a reshape; the
-    scaled values, ``x * 2^-k``, are exact in float32 down to far below half the element's smallest
-    subnormal, and torch's float8 cast rounds as ``_round`` does), then ``element * 2^k``, exact."""
-    moved = torch.movedim(x.float(), axis, -1)
-    blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // bf.block, bf.block)
-    amax = torch.maximum(-blocks.amin(-1), blocks.amax(-1))  # no |x| tensor, faster than aminmax; NaN wins
+def _nvfp4_plane(p: torch.Tensor, tile, transposed: bool, shape, bf, mode: int, seed: int) -> torch.Tensor:
+    """NVFP4 of ``x`` no wider than float32 in whole tiles (``_plane``): the steps of the general path
+    with the block values broadcast over each tile, the element passes in float64 over cached buffers.
+    The quotient is the core's float64 one, ``x / (s_block * g)``; nearest rounds it onto e2m1 by
+    ``(|q| + c) - c``, ``c = 2^(max(E, 0) - 1 + 52)`` (as in ``_mx_plane``: float64's addition rounds to
+    e2m1's spacing at ``|q|``, ties to even, exactly as ``_round``), clamped to 6 (saturation);
+    stochastic follows ``_round_flat`` with the stream indexed by position in ``x``. A block whose
+    ``s_block`` is 0 divides by 1 and is multiplied by 0 (``+-0`` with x's sign, as the core's); a NaN / inf
+    block by NaN. ``element * (s_block * g)`` is exact in float64 (3 + 4 + 24 bits), rounded once to
+    float32 by the output's dtype."""
+    amax = _tile_amax(p, tile)
     bad = ~torch.isfinite(amax)
-    k = _mx_exponent(torch.where(bad, 0.0, amax).double(), bf.element, rule)
-    fmax = float(bf.element.max)
-    scaled = blocks * _pow2(-k).float().unsqueeze(-1)
-    if rule not in ("rceil", "ceil"):  # these put every finite block's amax at or below the max
-        scaled.clamp_(-fmax, fmax)
-    elements = scaled.to(_FLOAT8[bf.element.name]).float()
-    v = elements.mul_(torch.where(bad, torch.nan, _pow2(k).float()).unsqueeze(-1))
-    return torch.movedim(v.reshape(moved.shape), -1, axis)
+    amax = torch.where(bad, 0.0, amax)
+    gmax = amax.amax()
+    if bad.any():  # a bad block's finite elements still count for the global amax
+        a = p.abs()
+        gmax = torch.where(torch.isfinite(a), a, 0.0).amax().double()
+    g = _nvfp4_global(gmax, torch.float32)
+    den = _round(amax / (bf.element.max * g), bf.scale, _MODE["nearest"], True, 0) * g
+    scale, den = torch.where(bad, torch.nan, den), torch.where(den == 0, 1.0, den)
+    out, result = _plane_out(p, transposed, shape)
+    elem, stochastic = bf.element, mode == _MODE["stochastic"]
+    key = _mix(seed) - _U64 * (_mix(seed) >> 63)  # the stream's key as int64
+    for area, tiles, bufs in _passes(p, tile, 6 if stochastic else 3):
+        q = _tiles(bufs[0].copy_(p[area]), tile).div_(_spread(den, tiles))
+        i64 = [_tiles(b.view(torch.int64), tile) for b in bufs[1:]]
+        sign = torch.bitwise_and(q.view(torch.int64), -(1 << 63), out=i64[0])
+        a = q.abs_()
+        if not stochastic:
+            c = torch.bitwise_and(a.view(torch.int64), _EXP64, out=i64[1])
+            c = c.clamp_(min=1023 << 52).add_(51 << 52).view(torch.float64)
+            r = a.add_(c).sub_(c)
+        else:
+            u = _plane_uniform(p, transposed, area, key, i64[3], i64[4]).view(a.shape)
+            e = torch.bitwise_right_shift(a.view(torch.int64), 52, out=i64[1])
+            e = e.clamp_(elem.emin + 1023, elem.emax + 1024)
+            t = torch.sub(e, 2046 + elem.mbits, out=i64[2]).neg_().bitwise_left_shift_(52).view(torch.float64)
+            t = t.mul_(a)  # a / q, exact
+            f = torch.floor(t, out=a)
+            q = e.sub_(elem.mbits).bitwise_left_shift_(52).view(torch.float64)
+            r = f.add_(u.lt_(t.sub_(f))).mul_(q)
+        _tiles(out[area], tile).copy_(
+            _signed(r.clamp_(max=float(elem.max)), sign).mul_(_spread(scale, tiles))
+        )
+    return result
+
+
+def _plane_uniform(p: torch.Tensor, transposed: bool, area, key: int, z: torch.Tensor,
+                   tmp: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``_uniform53`` for ``p[area]``'s elements, indexed by their position in ``x``, in ``tmp``'s memory
+    (float64); ``z`` and ``tmp`` are int64 scratch of the area's shape."""
+    (r0, r1, _), (c0, c1, _) = (s.indices(n) for s, n in zip(area, p.shape))
+    row_step, col_step = (1, p.shape[0]) if transposed else (p.shape[1], 1)
+    compiled = uniform_grid_kernel() if p.device.type == "cpu" else None
+    if compiled is not None:  # the same stream, compiled (numba): ~10x fewer passes over memory
+        out = tmp.view(torch.float64).view(r1 - r0, c1 - c0)
+        compiled(np.uint64(key % 2**64), r0 * row_step + c0 * col_step, row_step, col_step, out.numpy())
+        return out
+    rows, cols = torch.arange(r0, r1, device=p.device)[:, None], torch.arange(c0, c1, device=p.device)
+    z = z.view(r1 - r0, c1 - c0)
+    if transposed:  # p[i, j] is x[j, i]: flat index j * p.shape[0] + i
+        torch.add(rows + 1, cols * p.shape[0], out=z)
+    else:
+        torch.add(rows * p.shape[1] + 1, cols, out=z)
+    z.mul_(_GOLDEN).add_(key)
+    tmp = tmp.view(z.shape)
+    for s, m in ((30, _M1), (27, _M2), (31, 1)):
+        z.bitwise_xor_(torch.bitwise_right_shift(z, s, out=tmp).bitwise_and_((1 << (64 - s)) - 1))
+        if m != 1:
+            z.mul_(m)
+    z.bitwise_right_shift_(11).bitwise_and_((1 << 53) - 1)
+    return tmp.view(torch.float64).copy_(z).mul_(2.0**-53)
 
 
 def _round_elements(scaled: torch.Tensor, elem: FloatFormat, mode: int, seed: int, narrow: bool):
@@ -274,13 +424,11 @@ def _mx_exponent(amax: torch.Tensor, elem: FloatFormat, rule: str) -> torch.Tens
     return torch.where(amax == 0, -127, k).clamp(-127, 127)
 
 
-def _nvfp4_global(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32(amax / 2688) over the finite elements as a 0-d float64 tensor; 1 without one."""
-    finite = torch.where(torch.isfinite(a), a, 0.0)
-    amax = finite.amax() if a.numel() else torch.zeros((), dtype=torch.float64, device=a.device)
+def _nvfp4_global(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32(amax / 2688) as float64, from the finite amax (float64); 1 where it is 0."""
     if dtype == torch.float64:  # a 53-bit amax needs the exact quotient: the core's, on the host
-        g = _blocks._nvfp4_global(np.array([amax.item()]))
-        return torch.tensor(g, dtype=torch.float64, device=a.device)
+        g = [_blocks._nvfp4_global(np.array([v])) for v in amax.reshape(-1).tolist()]
+        return torch.tensor(g, dtype=torch.float64, device=amax.device).view(amax.shape)
     g = (amax / _blocks._NVFP4_RANGE).to(torch.float32).to(torch.float64).clamp(min=2.0**-149)
     return torch.where(amax == 0, 1.0, g)
 

@@ -13,7 +13,10 @@ projections) becomes three quantized GEMMs, as TransformerEngine runs them:
 same tensors blocked along the other GEMM dimension for block formats (TE keeps a row-wise and a
 column-wise copy; here the transposed tensor is blocked along its last axis, the same blocks, and
 stochastic rounding indexes the transposed tensor's elements) and the forward casts themselves for
-per-tensor scaling and NVFP4's 16x16 weight blocks.
+per-tensor scaling and NVFP4's 16x16 weight blocks. With ``hadamard=True`` (NVFP4) ``g^T`` and ``x^T``
+are first multiplied by the random Hadamard matrix in tiles of 16 along ``M`` (``hadamard.py``; ``M``
+zero padded to a multiple of 16), so ``dW = Qb'(g^T H) @ Qf'(x^T H)^T``: ``H`` is orthogonal, and only
+the quantization error changes.
 A GEMM the recipe leaves unquantized takes its operands as they are. Products run in the recipe's
 compute dtype (bf16 or fp32), and so does everything else (``torch.autocast``); layers in the keep
 list (by default the first and last ``nn.Linear``) compute as bf16-mixed.
@@ -42,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import PolyampError
 from ..numerics import get_format
 from ..recipes import DelayedScaling, Recipe
+from .hadamard import hadamard_tiles
 from .quantize import quantize, quantize_blocks
 
 _FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -165,6 +169,8 @@ class _QuantizedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gt, xt = g2.t(), x2.t()  # the wgrad GEMM dW = g^T x: operands g^T, x^T blocked along M
             if wanted[1]:
+                if r.hadamard:  # NVFP4's RHT: both operands times H in tiles of 16 along M, then quantized
+                    gt, xt = hadamard_tiles(gt), hadamard_tiles(xt)
                 gt = quantizer(gt, layer, "grad", axis=-1) if block else once.t()
                 xt = quantizer(xt, layer, "input", axis=-1) if block else xq.reshape(-1, x.shape[-1]).t()
             dw = (gt.to(compute) @ xt.to(compute).t()).to(w_dtype)

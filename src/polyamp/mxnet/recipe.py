@@ -1,0 +1,278 @@
+"""Emulated low-precision training in MXNet Gluon: ``polyamp.recipes`` applied to ``nn.Dense``.
+
+After ``mp.watch(net)`` of a ``MixedPrecision`` made from a recipe (``"fp8-tensorwise"``,
+``"fp8-delayed"``, ``"mxfp8"``, ``"nvfp4"``), each ``gluon.nn.Dense`` of the net that the keep list
+leaves in runs its FullyConnected as three quantized GEMMs (an ``mx.autograd.Function``), as
+``polyamp/torch/recipe.py`` describes them:
+
+    forward        y  = Qf(x) @ Qf(W)^T (+ b)
+    input grad     dx = Qb(g) @ Qf'(W)
+    weight grad    dW = Qb'(g^T) @ Qf'(x^T)^T
+
+``Qf`` / ``Qb`` quantize-dequantize to the recipe's forward / backward format; ``Qf'`` / ``Qb'`` are the
+transposed tensors blocked along their last axis for block formats (the other GEMM axis), and the
+forward casts themselves for per-tensor scaling and NVFP4's 16x16 weight blocks. A GEMM the recipe
+leaves unquantized takes its operands as they are. The products are FullyConnected on operands cast
+to the compute dtype: bfloat16 (MXNet's CPU FullyConnected computes in bf16 through oneDNN and returns
+bf16, as torch's bf16 matmul does) or float32; they call MXNet's own operator, which contrib.amp does
+not cast. The rest of the net computes as bf16-mixed (contrib.amp, process-wide); the Dense layers
+in the keep list (by default the first and last) do too. ``Dense(flatten=True)`` flattens the input
+to 2-D first, ``flatten=False`` multiplies along its last axis.
+
+Imperative Gluon only: a hybridized net runs a cached graph of symbols, which an ``autograd.Function``
+cannot enter; ``mp.watch`` refuses a hybridized net, and a Dense traced into a graph later raises.
+MXNet 1.9's ``autograd.Function`` shapes the rest: its backward stops writing gradients at the first
+input that takes none, so the inputs are ``(weight, bias, x)`` (the net's data, which takes none, last)
+and a Dense with a frozen parameter is refused; ``x`` enters as float32 (under contrib.amp a bfloat16
+input's gradient buffer is filled wrongly), and the backward transposes float32 copies (transposing a
+bfloat16 NDArray corrupts the heap).
+
+Quantization is ``polyamp.mxnet.quantize``, bit-identical to the numpy core: tensorwise with the
+scale ``current_scale(amax)``; delayed with the scale of the layer's ``DelayedScaling`` for that
+operand, updated with this call's amax after the cast (TE's order; the histories and the
+stochastic-rounding counter are in ``mp.state_dict()``); blocks with ``quantize_blocks``, stochastic
+rounding seeded by a counter of calls.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from typing import Any
+
+from ..errors import PolyampError, UnsupportedError
+from ..recipes import DelayedScaling, Recipe
+from .keep import _ORIGINAL_OPS, blocks, dtype_name
+from .quantize import amax, current_scale, quantize_blocks, quantize_tensorwise
+
+with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import mxnet as mx
+    from mxnet import gluon
+    from mxnet.contrib import amp
+
+
+# MXNet's own FullyConnected: contrib.amp's would cast the operands to its dtype
+_FC = (_ORIGINAL_OPS or {}).get("mxnet.ndarray", {}).get("FullyConnected", mx.nd.FullyConnected)
+
+
+class Quantizer:
+    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps: delayed scaling
+    per (layer, operand) and the stochastic-rounding counter."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.delayed: dict[tuple[str, str], DelayedScaling] = {}
+        self.calls = 0
+
+    def __call__(self, x, layer: str, operand: str, axis: int = -1):
+        """``x`` (an NDArray) quantized and dequantized as the recipe's ``operand`` ("input", "weight",
+        "grad"), blocked along ``axis``; a float32 NDArray."""
+        r = self.recipe
+        grad = operand == "grad"
+        fmt = r.backward_format if grad else r.forward_format
+        rounding = r.grad_rounding if grad else r.forward_rounding
+        self.calls += 1
+        seed = self.calls if rounding == "stochastic" else None
+        if r.kind == "block":
+            block = (16, 16) if (r.weight_2d and operand == "weight") else None
+            axis = (-2, -1) if block else axis
+            return quantize_blocks(x, fmt, axis=axis, block=block, scale_rule=r.scale_rule, rounding=rounding,
+                                   seed=seed)  # fmt: skip
+        a = amax(x)
+        if r.kind == "delayed":  # the scale from the history, then this amax into it (a host read)
+            ds = self.delayed.get((layer, operand)) or self._history(layer, operand)
+            out = quantize_tensorwise(x, fmt, float(ds.scale), rounding, seed)
+            ds.update(float(a.asnumpy()[0]))
+            return out
+        return quantize_tensorwise(x, fmt, current_scale(a, fmt, r.margin, r.amax_epsilon), rounding, seed)
+
+    def _history(self, layer: str, operand: str) -> DelayedScaling:
+        r = self.recipe
+        fmt = r.backward_format if operand == "grad" else r.forward_format
+        ds = self.delayed[layer, operand] = DelayedScaling(fmt, r.history_len, r.amax_compute_algo, r.margin)
+        return ds
+
+    def state_dict(self) -> dict[str, Any]:
+        """The delayed-scaling states (``"layer|operand" -> DelayedScaling.state_dict()``), the counter."""
+        return {"calls": self.calls,
+                "delayed": {f"{k[0]}|{k[1]}": v.state_dict() for k, v in self.delayed.items()}}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"calls", "delayed"}:
+            raise PolyampError(f"a recipe state must be Quantizer.state_dict()'s dict; received {state!r}")
+        before = self.delayed, self.calls
+        self.delayed, self.calls = {}, int(state["calls"])
+        try:
+            for key, value in state["delayed"].items():
+                layer, _, operand = key.rpartition("|")
+                self._history(layer, operand).load_state_dict(value)
+        except BaseException:  # a bad entry leaves the state as it was
+            self.delayed, self.calls = before
+            raise
+
+
+def _cast(x, compute: str):
+    """``x`` (an NDArray) in the compute dtype."""
+    return _like(x.as_nd_ndarray(), "bfloat16" if compute == "bf16" else "float32")
+
+
+def _gemm(a, b_t, compute: str, bias=None):
+    """``a @ b_t^T (+ bias)``: MXNet's own FullyConnected (not contrib.amp's) in the compute dtype; an
+    NDArray of that dtype."""
+    args = (_cast(a, compute), _cast(b_t, compute)) + (() if bias is None else (_cast(bias, compute),))
+    return _FC(*args, no_bias=bias is None, num_hidden=b_t.shape[0], flatten=True)
+
+
+def _like(x, dtype: str):
+    """An NDArray in ``dtype`` (the input's or parameter's)."""
+    have = dtype_name(x.dtype)
+    if have == dtype:
+        return x
+    if have == "float64":
+        x, have = x.astype("float32"), "float32"
+    if "bfloat16" in (have, dtype) or "float16" in (have, dtype):
+        return mx.nd.amp_cast(x, dtype=amp.amp.bfloat16 if dtype == "bfloat16" else dtype)
+    return x.astype(dtype)
+
+
+class QuantizedDense(mx.autograd.Function):
+    """FullyConnected of a 2-D ``x`` with the recipe's three quantized GEMMs (module docstring)."""
+
+    def __init__(self, quantizer: Quantizer, layer: str, compute: str):
+        super().__init__()
+        self.quantizer, self.layer, self.compute = quantizer, layer, compute
+
+    def forward(self, weight, *rest):
+        bias, x = rest if len(rest) == 2 else (None, rest[0])
+        q, r = self.quantizer, self.quantizer.recipe
+        xq = q(x, self.layer, "input") if r.quantize_forward else x
+        wq = q(weight, self.layer, "weight") if r.quantize_forward else weight
+        self.save_for_backward(x, weight, xq, wq)
+        self.dtypes = (dtype_name(x.dtype), dtype_name(weight.dtype), bias is not None)
+        return _gemm(xq, wq, self.compute, bias)
+
+    def backward(self, grad):
+        x, weight, xq, wq = self.saved_tensors
+        x_dtype, w_dtype, has_bias = self.dtypes
+        # float32 (exact for bf16): MXNet 1.9's transpose of a bfloat16 NDArray corrupts the heap
+        grad, x = _like(grad, "float32"), _like(x, "float32")
+        q, r, layer, compute = self.quantizer, self.quantizer.recipe, self.layer, self.compute
+        block = r.kind == "block"
+        wanted = (r.quantize_input_grad, r.quantize_weight_grad)
+        once = q(grad, layer, "grad") if any(wanted) and not block else None  # one cast, one scale
+        gq, w_op = grad, weight
+        if wanted[0]:  # g blocked along N; W along its output dimension N (the dgrad GEMM's K)
+            gq = q(grad, layer, "grad", axis=-1) if block else once
+            w_op = wq
+            if block and not r.weight_2d:  # W^T blocked along its last axis: the same blocks
+                w_op = q(weight.T, layer, "weight", axis=-1).T
+        dx = _gemm(gq, w_op.T, compute)
+        gt, xt = grad.T, x.T  # the wgrad GEMM dW = g^T x: operands g^T, x^T blocked along M
+        if wanted[1]:
+            gt = q(gt, layer, "grad", axis=-1) if block else once.T
+            xt = q(xt, layer, "input", axis=-1) if block else xq.T
+        dw = _gemm(gt, xt, compute)
+        out = [_like(dw, w_dtype)]
+        if has_bias:
+            out.append(_like(mx.nd.sum(grad, axis=0), w_dtype))
+        return (*out, _like(dx, x_dtype))
+
+
+class RecipeDense:
+    """One watched ``nn.Dense``: its ``hybrid_forward`` replaced (an instance attribute shadowing the
+    class's method) by the quantized GEMMs; ``remove()`` puts the previous one back."""
+
+    def __init__(self, name: str, block, quantizer: Quantizer, compute: str):
+        self.name, self.block = name, block
+        self._own = vars(block).get("hybrid_forward")
+        original = getattr(self._own, "recipe_of", None)  # another recipe's forward: replace it
+        if original is not None:
+            self._own = original
+
+        def hybrid_forward(F, x, weight, bias=None):
+            if F is not mx.nd:
+                raise UnsupportedError(
+                    f"Dense {name!r} is traced into a hybridized graph, where the recipe's quantized GEMMs "
+                    "(an mx.autograd.Function) cannot run; train with net.hybridize(active=False)"
+                )
+            lead = x.shape[:1] if block._flatten else x.shape[:-1]
+            flat = x.ndim != 2  # reshape only when needed
+            x2 = x.reshape((lead[0], -1) if block._flatten else (-1, weight.shape[1])) if flat else x
+            x2 = _like(x2, "float32")  # a float32 gradient buffer (MXNet copies a bf16 one wrongly under amp)
+            y = QuantizedDense(quantizer, name, compute)(
+                *((weight, x2) if bias is None else (weight, bias, x2))
+            )
+            y = y.reshape(lead + (weight.shape[0],)) if flat else y
+            return y if block.act is None else block.act(y)
+
+        hybrid_forward.recipe_of = self._own
+        vars(block)["hybrid_forward"] = hybrid_forward
+
+    def remove(self) -> None:
+        if getattr(vars(self.block).get("hybrid_forward"), "recipe_of", False) is self._own:
+            self.restore(self.block, self._own)
+
+    @staticmethod
+    def restore(block, own) -> None:
+        """Put back the ``hybrid_forward`` a recipe replaced (``own``: an instance attribute, or None)."""
+        if own is None:
+            vars(block).pop("hybrid_forward", None)
+        else:
+            vars(block)["hybrid_forward"] = own
+
+
+def unwind(model) -> None:
+    """Put back every Dense forward of ``model`` that a recipe (of any MixedPrecision) replaced."""
+    for _, block in blocks(model):
+        previous = vars(block).get("hybrid_forward")
+        if hasattr(previous, "recipe_of"):
+            RecipeDense.restore(block, previous.recipe_of)
+
+
+def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> list[RecipeDense]:
+    """Quantize the ``nn.Dense`` blocks of ``model`` that the recipe's keep list leaves in: ``first`` /
+    ``last`` are the first and last Dense in depth-first order of child names, other entries ``fnmatch``
+    patterns over the block paths (``0``, ``body.1.dense``; a kept block keeps the blocks below it).
+    Dense blocks kept in float32 by ``keep_fp32`` are left as they are. ``dry_run``: only check."""
+    if not isinstance(model, gluon.Block):
+        raise PolyampError(
+            f"expected a mxnet.gluon.Block, got {type(model).__module__}.{type(model).__name__}"
+        )
+    paths = [(p or type(b).__name__, b) for p, b in blocks(model)]
+    active = [p for p, b in paths if isinstance(b, gluon.HybridBlock) and b._active]
+    if active:
+        raise UnsupportedError(
+            f"the {quantizer.recipe.name!r} recipe quantizes Dense layers imperatively, but the net is "
+            f"hybridized ({', '.join(active[:3])}): its cached graph cannot run an mx.autograd.Function. "
+            "Call net.hybridize(active=False) before mp.watch(net)"
+        )
+    denses = [(p, b) for p, b in paths if isinstance(b, gluon.nn.Dense)]
+    kept: set[str] = set()
+    for entry in quantizer.recipe.keep:
+        if entry in ("first", "last"):
+            if denses:
+                kept.add(denses[0][0] if entry == "first" else denses[-1][0])
+            continue
+        found = [p for p, _ in paths if fnmatch.fnmatchcase(p, entry)]
+        if not found:
+            raise PolyampError(f"the recipe's keep entry {entry!r} matches no block of the net; its blocks: "
+                               f"{', '.join(p for p, _ in paths[:20])}")  # fmt: skip
+        kept.update(found)
+    if dry_run:  # only the checks
+        return []
+    handles = []
+    for path, block in denses:
+        if any(path == k or path.startswith(k + ".") for k in kept):
+            continue
+        if getattr(vars(block).get("hybrid_forward"), "keeps", None) is not None:
+            continue  # keep_fp32: float32
+        frozen = [p.name for p in block.collect_params().values() if p.grad_req == "null"]
+        if frozen:
+            raise UnsupportedError(
+                f"Dense {path!r} has parameters without gradients ({', '.join(frozen)}, grad_req='null'): "
+                "MXNet 1.9's autograd.Function, which runs the recipe's GEMMs, stops writing gradients at "
+                "the first input that takes none. Keep it out of the recipe (a keep pattern) or train it"
+            )
+        handles.append(RecipeDense(path, block, quantizer, compute))
+    return handles

@@ -1,0 +1,341 @@
+"""Emulated low-precision training in Keras 3: ``polyamp.recipes`` on the matmuls of Dense layers.
+
+``mp.watch(model)`` of a ``MixedPrecision`` made from a recipe gives every ``keras.layers.Dense`` of the
+model that the keep list does not keep a ``call`` of its own (on that layer object; ``mp.watch`` again
+restores the others): ``inputs @ kernel`` becomes :func:`linear`, the recipe's three quantized GEMMs,
+as ``polyamp/torch/recipe.py`` describes, in a ``tf.custom_gradient``; bias and activation as Dense's:
+
+    forward        y  = Qf(x) @ Qf(W)           blocks along K (x's last axis, W's first)
+    input grad     dx = Qb(g) @ Qf'(W)^T        blocks along N (g's last axis, W's last)
+    weight grad    dW = Qf'(x)^T @ Qb'(g)       blocks along the rows M of x and g
+
+``W`` is the float32 kernel (read outside Keras's autocast), ``x`` the layer's input in its compute
+dtype; products run in the recipe's compute dtype (bf16 or fp32), outputs and ``dx`` in ``x``'s dtype,
+``dW`` in the kernel's. Per-tensor formats quantize each operand once (one scale, one cast: ``Qf' = Qf``)
+and so does NVFP4's 16x16 weight. A layer's name is ``keep.py``'s ("block/dense_1"); the keep list's
+``first`` / ``last`` are the first and last Dense layer in that order, other entries ``fnmatch``
+patterns (a matching layer keeps the Dense layers below it).
+
+Quantization is integer TF ops (``quantize.py``), bit-identical to the numpy core in eager mode, in
+``tf.function`` and under XLA (``tests/test_tensorflow_recipes.py``):
+- tensorwise: ``scale = current_scale(amax)`` (TE's rule: ``Fmax 2^-margin / amax`` rounded once to
+  float32, by long division), ``fp32(x * scale)`` rounded to the format with saturation, divided by
+  ``scale`` (one rounding to float32): the core's ``recipes.quantize_tensorwise``;
+- delayed: the same with the scale of that (layer, operand)'s amax history, updated with this call's
+  amax after the cast (TE's order, ``recipes.DelayedScaling``); the histories are ``tf.Variable``s,
+  so a ``tf.function`` step updates them, and ``mp.state_dict()`` holds them;
+- block: ``quantize.blocks_keyed``.
+Stochastic rounding seeds each call with a counter of the stochastically rounded calls (a
+``tf.Variable``, also in the state; 1, 2, ... in call order: ``g`` along N, then along M); the stream
+indexes the operand's elements in the layout it is quantized in (``g`` as [M, N], not transposed).
+Kernels run through ``quantize.graph_call`` (one ``tf.function`` per shape and static arguments)."""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from ..errors import PolyampError
+from ..numerics import BLOCK_FORMATS, FORMATS, get_format
+from ..numerics import blocks as _blocks
+from ..numerics.rounding import _MODE
+from ..recipes import DelayedScaling, Recipe
+from .keep import named_layers
+from .quantize import _U, _divide, _Grid, _Num, _round, _Stream, blocks_keyed, compose, graph_call, key_of
+from .quantize import _decompose as decompose
+from .quantize import _decompose_bits as decompose_bits
+
+_COMPUTE = {"bf16": tf.bfloat16, "fp32": tf.float32}
+_FP32 = _Grid.of(FORMATS["fp32"], False)
+_INF32, _NAN32 = 0x7F800000, 0x7FC00000
+
+
+class Quantizer:
+    """The recipe's quantize-dequantize of one GEMM operand, with its state in ``tf.Variable``s: the
+    stochastic-rounding counter and, for delayed scaling, each (layer, operand)'s history."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        with tf.init_scope():
+            self.calls = tf.Variable(0, dtype=tf.int64, trainable=False, name="polyamp_recipe_calls")
+        self.delayed: dict[tuple[str, str], _History] = {}
+
+    def __call__(self, x, layer: str, operand: str, axis=-1):
+        """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"),
+        blocked along ``axis``; float32 out."""
+        r = self.recipe
+        grad = operand == "grad"
+        fmt = r.backward_format if grad else r.forward_format
+        mode = _MODE[r.grad_rounding if grad else r.forward_rounding]
+        key = key_of(self.calls.assign_add(1) if mode == _MODE["stochastic"] else 0)
+        x = tf.convert_to_tensor(x)
+        if r.kind == "block":
+            bf = BLOCK_FORMATS[fmt]
+            block = (16, 16) if (r.weight_2d and operand == "weight") else None
+            shape = _blocks._block_shape(bf, block)
+            axes = _blocks._axes((-2, -1) if block else axis, x.shape.rank, len(shape))
+            return graph_call(_block_values, (x, key), (bf, axes, shape, r.scale_rule, mode))
+        if r.kind == "delayed":
+            history = self.delayed.get((layer, operand)) or self.add(layer, operand)
+            out, amax = graph_call(_delayed, (x, history.scale.read_value(), key), (fmt, mode))
+            with tf.control_dependencies([out]):
+                history.update(amax)
+            return tf.identity(out)
+        return graph_call(_current, (x, key), (fmt, r.margin, float(r.amax_epsilon), mode))
+
+    def add(self, layer: str, operand: str) -> _History:
+        """The history of ``layer``'s ``operand`` (delayed scaling), created outside any tf.function."""
+        r = self.recipe
+        fmt = r.backward_format if operand == "grad" else r.forward_format
+        ds = DelayedScaling(fmt, r.history_len, r.amax_compute_algo, r.margin)
+        with tf.init_scope():
+            h = self.delayed[layer, operand] = _History(ds)
+        return h
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counter and the delayed-scaling states (``"layer|operand" -> DelayedScaling.state_dict()``)."""
+        return {"calls": int(self.calls.numpy()),
+                "delayed": {f"{k[0]}|{k[1]}": v.state_dict() for k, v in self.delayed.items()}}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or set(state) != {"calls", "delayed"}:
+            raise PolyampError(f"a recipe state must be Quantizer.state_dict()'s dict; received {state!r}")
+        calls = state["calls"]
+        if isinstance(calls, bool) or not isinstance(calls, (int, np.integer)) or calls < 0:
+            raise PolyampError(f"a recipe state's calls must be an integer >= 0; received {calls!r}")
+        checked = []
+        for key, value in state["delayed"].items():  # all checked before any is assigned
+            layer, _, operand = key.rpartition("|")
+            if (layer, operand) not in self.delayed:
+                mine = ", ".join(f"{k[0]}|{k[1]}" for k in self.delayed) or "none"
+                raise PolyampError(f"the recipe state holds an amax history for {key!r}, which this "
+                                   f"model has not; its histories: {mine}")  # fmt: skip
+            checked.append((self.delayed[layer, operand], self.delayed[layer, operand].checked(value)))
+        for history, ds in checked:
+            history.assign(ds)
+        self.calls.assign(int(calls))
+
+
+class _History:
+    """One ``DelayedScaling`` held in ``tf.Variable``s (scale, history, steps); ``update`` is
+    ``DelayedScaling.update`` in TF ops."""
+
+    def __init__(self, ds: DelayedScaling):
+        self.config = ds
+        self.scale = tf.Variable(np.float32(ds.scale), trainable=False, name="polyamp_delayed_scale")
+        self.history = tf.Variable(ds.history, trainable=False, name="polyamp_amax_history")
+        self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="polyamp_delayed_steps")
+
+    def update(self, amax_bits) -> None:
+        """Record this step's amax (float32 bit pattern, uint64) and set the next step's scale."""
+        ds = self.config
+        h = tf.concat([tf.reshape(tf.bitcast(tf.cast(amax_bits, tf.uint32), tf.float32), [1]),
+                       self.history.read_value()[1:]], 0)  # fmt: skip
+        bits = tf.cast(tf.bitcast(h, tf.uint32), _U) & tf.constant(0x7FFFFFFF, _U)
+        if ds.amax_compute_algo == "max":  # NaN entries skipped, as np.fmax
+            number = bits <= _INF32
+            used = tf.reduce_max(tf.where(number, bits, tf.constant(0, _U)))
+            used = tf.where(tf.reduce_any(number), used, tf.constant(_NAN32, _U))
+        else:
+            used = bits[0]
+        scaled_max = float(ds._scaled_max)
+        self.scale.assign(_scale(used, scaled_max, self.scale.read_value()))
+        rolled = tf.concat([h[1:], h[:1]], 0)
+        self.history.assign(tf.concat([tf.zeros([1], tf.float32), rolled[1:]], 0))
+        self.steps.assign_add(1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``DelayedScaling.state_dict()``'s dict of the variables' values."""
+        ds = self.config
+        return {"format": ds.format.name, "history_len": ds.history_len,
+                "amax_compute_algo": ds.amax_compute_algo, "margin": ds.margin,
+                "scale": float(self.scale.numpy()), "history": [float(v) for v in self.history.numpy()],
+                "steps": int(self.steps.numpy())}  # fmt: skip
+
+    def checked(self, state) -> DelayedScaling:
+        """``state`` loaded into a fresh ``DelayedScaling`` of this config (the core's checks)."""
+        ds = self.config
+        out = DelayedScaling(ds.format.name, ds.history_len, ds.amax_compute_algo, ds.margin)
+        out.load_state_dict(state)
+        return out
+
+    def assign(self, ds: DelayedScaling) -> None:
+        self.scale.assign(np.float32(ds.scale))
+        self.history.assign(ds.history)
+        self.steps.assign(ds.steps)
+
+
+# -- per-tensor scaling in integers --------------------------------------------------------------------
+def _float32(x) -> tf.Tensor:
+    """``x`` as float32 (rounded once, as a cast), by its bit pattern (no subnormal flushed)."""
+    return compose(_round(decompose(x), _FP32, _MODE["nearest"], None), tf.float32)
+
+
+def _block_values(x, key, bf, axes, shape, rule, mode):
+    """One operand in a block format (``Quantizer`` with a block recipe)."""
+    return blocks_keyed(x, bf, axes, shape, rule, mode, key)
+
+
+def _current(x, key, fmt, margin, eps, mode):
+    """Current scaling of one operand (``Quantizer`` with a tensorwise recipe)."""
+    x32 = _float32(x)
+    return tensorwise(x32, fmt, current_scale(_amax_bits(x32), fmt, margin, eps), mode, key)
+
+
+def _delayed(x, scale, key, fmt, mode):
+    """One operand quantized with a delayed scale; with its amax for the history."""
+    x32 = _float32(x)
+    return tensorwise(x32, fmt, scale, mode, key), _amax_bits(x32)
+
+
+def _amax_bits(x32) -> tf.Tensor:
+    """max |x| of a float32 tensor as a float32 bit pattern (uint64): NaN when x holds a NaN."""
+    bits = tf.cast(tf.bitcast(x32, tf.uint32), _U) & tf.constant(0x7FFFFFFF, _U)
+    return tf.reduce_max(tf.concat([tf.reshape(bits, [-1]), tf.zeros([1], _U)], 0))
+
+
+def _constant(value: float) -> _Num:
+    """A positive finite float as an exact ``_Num`` of scalars."""
+    n, d = float(value).as_integer_ratio()
+    f = tf.constant(False)
+    return _Num(f, tf.constant(n, _U), tf.constant(-(d.bit_length() - 1), tf.int32), f, f)
+
+
+def _scale(amax_bits, scaled_max: float, fallback, eps: float = 0.0) -> tf.Tensor:
+    """``recipes._scale`` of one float32 amax: ``scaled_max / max(amax, eps)`` rounded once to float32
+    (long division), float32's max where that overflows, ``fallback`` where the amax is 0 or not finite."""
+    amax = decompose_bits(amax_bits, tf.float32)
+    q = _divide(_constant(scaled_max), amax, 29)
+    q = compose(_round(q, _Grid.of(FORMATS["fp32"], True), _MODE["nearest"], None), tf.float32)
+    ok = (amax_bits < _INF32) & tf.not_equal(amax_bits, 0)
+    if eps > 0:  # a float32 amax below eps: the (constant) scale of eps itself
+        t = np.float32(eps)
+        t = t if float(t) >= eps else np.nextafter(t, np.float32(np.inf))
+        below = amax_bits < int(np.asarray(t).view(np.uint32))
+        with np.errstate(over="ignore"):
+            q_eps = np.float32(scaled_max / eps)
+        q_eps = np.finfo(np.float32).max if np.isinf(q_eps) else q_eps
+        q, ok = tf.where(below, tf.constant(q_eps, tf.float32), q), ok | below
+    return tf.where(ok, q, tf.cast(fallback, tf.float32))
+
+
+def current_scale(amax_bits, fmt: str, margin: int = 0, eps: float = 0.0) -> tf.Tensor:
+    """``polyamp.recipes.current_scale`` of a float32 amax given as its bit pattern, as TF ops."""
+    return _scale(amax_bits, float(np.float32(float(get_format(fmt).max) * 2.0**-margin)), 1.0, float(eps))
+
+
+def tensorwise(x32, fmt: str, scale, mode: int, key) -> tf.Tensor:
+    """``recipes.quantize_tensorwise(x32, fmt, scale)``: ``fp32(x * scale)`` rounded to ``fmt`` with
+    saturation, divided by ``scale`` (rounded to float32); float32 in and out."""
+    x, s = decompose(x32), decompose(tf.convert_to_tensor(scale, tf.float32))
+    product = _round(_Num(x.neg, x.sig * s.sig, x.exp + s.exp, x.nan, x.inf), _FP32, _MODE["nearest"], None)
+    stream = _Stream(key, x32.shape) if mode == _MODE["stochastic"] else None
+    q = _round(product, _Grid.of(get_format(fmt), True), mode, stream)
+    return compose(_round(_divide(q, s, 29), _FP32, _MODE["nearest"], None), tf.float32)
+
+
+# -- the GEMMs -----------------------------------------------------------------------------------------
+def linear(quantizer: Quantizer, layer: str, compute):
+    """``x @ w`` (x [..., K], w [K, N]) with the recipe's three quantized GEMMs (module docstring)."""
+    r = quantizer.recipe
+    fq, bq, wq_ = r.quantize_forward, r.quantize_input_grad, r.quantize_weight_grad
+    block = r.kind == "block"
+
+    def q(t, operand, axis):
+        return quantizer(t, layer, operand, axis)
+
+    def matmul(a, b, **kw):
+        return tf.linalg.matmul(tf.cast(a, compute), tf.cast(b, compute), **kw)
+
+    @tf.custom_gradient
+    def fn(x, w):
+        k, n = w.shape
+        x2 = tf.reshape(x, [-1, k])
+        xq = q(x2, "input", -1) if fq else x2
+        wq = q(w, "weight", 0) if fq else w
+        y = tf.reshape(matmul(xq, wq), tf.concat([tf.shape(x)[:-1], [n]], 0))
+
+        def grad(g):
+            g2 = tf.reshape(g, [-1, n])
+            once = q(g2, "grad", -1) if (bq or wq_) and not block else None
+            gq, w_op = g2, w
+            if bq:
+                gq = q(g2, "grad", -1) if block else once
+                w_op = q(w, "weight", 1) if block and not r.weight_2d else wq
+            dx = tf.cast(tf.reshape(matmul(gq, w_op, transpose_b=True), tf.shape(x)), x.dtype)
+            x_op, g_op = x2, g2
+            if wq_:
+                x_op = q(x2, "input", 0) if block else xq
+                g_op = q(g2, "grad", 0) if block else once
+            return dx, tf.cast(matmul(x_op, g_op, transpose_a=True), w.dtype)
+
+        return tf.cast(y, x.dtype), grad
+
+    @tf.autograph.experimental.do_not_convert
+    def apply(x, w):  # a variable read here, so the custom gradient sees only tensors
+        return fn(tf.convert_to_tensor(x), tf.convert_to_tensor(w))
+
+    return apply
+
+
+# -- the model's Dense layers --------------------------------------------------------------------------
+class DenseLayers:
+    """The watched model's Dense layers, the keep list resolved to them, and the ``call`` each quantized
+    one gets (``install`` / ``remove``)."""
+
+    def __init__(self, model, keep: tuple[str, ...]):
+        if not isinstance(model, keras.layers.Layer):
+            raise PolyampError(f"a recipe applies to a Keras model or layer, got {type(model).__name__}")
+        layers = named_layers(model)
+        dense = [(name, layer) for name, layer in layers if isinstance(layer, keras.layers.Dense)]
+        kept: set[str] = set()
+        for entry in keep:
+            if entry in ("first", "last"):
+                if dense:
+                    kept.add(dense[0][0] if entry == "first" else dense[-1][0])
+                continue
+            found = [name for name, _ in layers if fnmatch.fnmatchcase(name, entry)]
+            if not found:
+                raise PolyampError(f"the recipe's keep entry {entry!r} matches no layer of the model; "
+                                   f"its layers: {', '.join(n for n, _ in layers[:20])}")  # fmt: skip
+            kept.update(found)
+        self.kept = sorted(n for n, _ in dense if any(n == k or n.startswith(k + "/") for k in kept))
+        self.quantized = [(n, layer) for n, layer in dense if n not in self.kept]
+        for name, layer in self.quantized:
+            if getattr(layer, "lora_enabled", False) or layer.quantization_mode is not None:
+                raise PolyampError(f"Dense layer {name!r} is LoRA-enabled or Keras-quantized; a recipe "
+                                   "quantizes plain Dense layers only: keep it (keep=...)")  # fmt: skip
+
+    def install(self, quantizer: Quantizer, compute) -> None:
+        for name, layer in self.quantized:
+            if quantizer.recipe.kind == "delayed":
+                for operand in ("input", "weight", "grad"):
+                    if (name, operand) not in quantizer.delayed:
+                        quantizer.add(name, operand)
+            layer.call = _dense_call(layer, linear(quantizer, name, compute))
+
+    def remove(self) -> None:
+        for _, layer in self.quantized:
+            if "call" in vars(layer):
+                del layer.call
+
+
+def _dense_call(layer, matmul):
+    """Dense's ``call`` with ``matmul`` for ``inputs @ kernel`` (the float32 kernel, read outside
+    Keras's autocast)."""
+
+    def call(inputs, training=None):
+        with keras.src.backend.AutocastScope(None):
+            kernel = tf.convert_to_tensor(layer.kernel)
+        x = matmul(inputs, kernel)
+        if layer.bias is not None:
+            x = keras.ops.add(x, layer.bias)
+        if layer.activation is not None:
+            x = layer.activation(x)
+        return x
+
+    return call

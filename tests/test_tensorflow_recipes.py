@@ -1,0 +1,306 @@
+"""Emulated fp8 / MX / NVFP4 training in Keras 3 (``polyamp/tensorflow/recipe.py``): quantization against
+the numpy core bit for bit (eagerly, where TF flushes float32 subnormals, and in ``tf.function``), the three
+GEMMs against the same products of core-quantized operands, keep lists, delayed-scaling and
+stochastic-rounding state resumed bit for bit, training in custom loops and ``fit``, and bad input."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+from frameworks import require
+
+tf = require("tensorflow")
+import keras  # noqa: E402
+
+import polyamp as pa  # noqa: E402
+from polyamp import PolyampError, recipes  # noqa: E402
+from polyamp.tensorflow import recipe as tr  # noqa: E402
+
+RECIPES = ["fp8-tensorwise", "fp8-delayed", "mxfp8", "mxfp8:scale_rule=floor", "nvfp4",
+           "nvfp4:grad_rounding=nearest", "fp8-tensorwise:margin=2:compute_dtype=fp32"]  # fmt: skip
+
+
+def same(got, want) -> bool:
+    """Bit for bit, NaN payloads aside."""
+    a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    nan = np.isnan(a)
+    return a.shape == b.shape and np.array_equal(nan, np.isnan(b)) and a[~nan].tobytes() == b[~nan].tobytes()
+
+
+def wide(shape, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-12, 12, (shape[0],) + (1,) * (len(shape) - 1)))
+    return x.astype(np.float32)
+
+
+def bits_of(amax) -> tf.Tensor:
+    return tf.cast(tf.bitcast(tf.constant(np.float32(amax)), tf.uint32), tf.uint64)
+
+
+@pytest.mark.parametrize("amax", [0.0, 1e-45, 1e-40, 1e-30, 0.37, 3.5, 448.0, 6e37, 3e38, math.inf, math.nan])
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("margin", [0, 3])
+def test_current_scale_equals_the_core(amax, fmt, margin):
+    got = tr.current_scale(bits_of(amax), fmt, margin).numpy()
+    assert got.tobytes() == np.float32(recipes.current_scale(amax, fmt, margin)).tobytes()
+    eps = 1e-12  # torchao's floor
+    got = tr.current_scale(bits_of(amax), fmt, margin, eps).numpy()
+    assert got.tobytes() == np.float32(recipes.current_scale(amax, fmt, margin, eps)).tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
+def test_tensorwise_equals_the_core(fmt, traced):
+    x = wide((64, 96), 1)
+    x[0, :6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-42]
+
+    def run(t):
+        amax = tr._amax_bits(t)
+        return tr.tensorwise(t, fmt, tr.current_scale(amax, fmt), 0, None)
+
+    run = tf.function(run) if traced else run
+    for t in (x, x[1:], x[1:] * 2.0**-100, np.zeros((3, 4), np.float32)):  # all subnormal: scaled up
+        amax = float(np.max(np.abs(t))) if t.size else 0.0
+        want = recipes.quantize_tensorwise(t, fmt, recipes.current_scale(amax, fmt))
+        assert same(run(tf.constant(t)), want)
+
+
+def core(x, r, operand, axis, seed=None, scale=None):
+    """The numpy core's quantization of ``x`` as the recipe's ``operand``."""
+    fmt = r.backward_format if operand == "grad" else r.forward_format
+    rounding = r.grad_rounding if operand == "grad" else r.forward_rounding
+    if r.kind != "block":
+        if scale is None:
+            scale = recipes.current_scale(float(np.abs(x).max()), fmt, r.margin, r.amax_epsilon)
+        return recipes.quantize_tensorwise(x, fmt, scale, rounding, seed)
+    if r.weight_2d and operand == "weight":
+        return pa.quantize_blocks(x, fmt, axis=(-2, -1), block=(16, 16))
+    return pa.quantize_blocks(x, fmt, axis=axis, scale_rule=r.scale_rule, rounding=rounding, seed=seed)
+
+
+@pytest.mark.parametrize("spec", RECIPES)
+@pytest.mark.parametrize("operand", ["input", "weight", "grad"])
+def test_each_operand_is_quantized_as_the_core_does(spec, operand):
+    r = recipes.parse_recipe(spec)
+    x = wide((64, 128), 2)
+    x[3, :40] = 0.0
+    q = tr.Quantizer(r)
+    history = recipes.DelayedScaling.from_recipe(r, operand == "grad") if r.kind == "delayed" else None
+    for axis in (-1, 0, -1):
+        got = q(tf.constant(x), "layer", operand, axis)
+        stochastic = (r.grad_rounding if operand == "grad" else r.forward_rounding) == "stochastic"
+        seed = int(q.calls.numpy()) if stochastic else None
+        want = core(x, r, operand, axis, seed, None if history is None else history.scale)
+        if history is not None:
+            history.update(float(np.abs(x).max()))
+            x = x * 3  # the next call's scale comes from this one's amax
+        assert same(got, want), (axis, operand)
+    if history is not None:
+        assert q.state_dict()["delayed"]["layer|" + operand] == history.state_dict()
+
+
+def gemm_case(spec, compute=tf.float32):
+    """y, dx, dw of ``linear`` on fixed operands, and the quantizer (its state after the call)."""
+    r = recipes.parse_recipe(spec)
+    x, w, g = wide((2, 16, 64), 3), wide((64, 96), 4) / 8, wide((32, 96), 5)
+    q = tr.Quantizer(r)
+    if r.kind == "delayed":
+        for operand in ("input", "weight", "grad"):
+            q.add("fc", operand)
+    fn = tr.linear(q, "fc", compute)
+    xt, wt = tf.constant(x), tf.Variable(w)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        y = fn(xt, wt)
+    dx, dw = tape.gradient(y, [xt, wt], output_gradients=tf.constant(g.reshape(2, 16, 96)))
+    return r, (x, w, g), (y, dx, dw), q
+
+
+@pytest.mark.parametrize("spec", RECIPES)
+def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
+    r, (x, w, g), (y, dx, dw), q = gemm_case(spec)
+    block = r.kind == "block"
+    sr = r.grad_rounding == "stochastic"  # seeds: the counter, in call order (grad along N, then M)
+
+    def mm(a, b):
+        return tf.linalg.matmul(
+            tf.constant(np.asarray(a, np.float32)), tf.constant(np.asarray(b, np.float32))
+        )
+
+    x2 = x.reshape(32, 64)
+    scale = 1.0 if r.kind == "delayed" else None  # a fresh history's scale
+    xq, wq = core(x2, r, "input", -1, scale=scale), core(w, r, "weight", 0, scale=scale)
+    assert same(y, tf.reshape(mm(xq, wq), (2, 16, 96)))
+    g_dgrad = core(g, r, "grad", -1, seed=1 if sr else None, scale=scale)
+    w_dgrad = core(w, r, "weight", 1) if block and not r.weight_2d else wq
+    assert same(dx, tf.reshape(mm(g_dgrad, w_dgrad.T), x.shape))
+    x_wgrad = core(x2, r, "input", 0) if block else xq
+    g_wgrad = core(g, r, "grad", 0, seed=2 if sr else None) if block else g_dgrad
+    assert same(dw, mm(x_wgrad.T, g_wgrad))
+    assert int(q.calls.numpy()) == (2 if sr else 0)
+
+
+def test_products_run_in_the_compute_dtype():
+    _, (x, w, g), (y, dx, dw), _ = gemm_case("mxfp8", tf.bfloat16)
+    _, _, (y32, _, _), _ = gemm_case("mxfp8", tf.float32)
+    assert y.dtype == tf.float32 and dw.dtype == tf.float32  # x's and w's dtypes
+    assert not same(y, y32) and np.allclose(y.numpy(), y32.numpy(), rtol=0.02, atol=0.05)
+
+
+# -- Keras models ----------------------------------------------------------------------------------------
+def mlp(mp, dims=(16, 48, 48, 48, 4), seed=0):
+    """A Sequential MLP of Dense layers fc0, fc1, ... built in ``mp.scope()``."""
+    keras.utils.set_random_seed(seed)
+    with mp.scope():
+        dense = [keras.layers.Dense(b, activation="gelu" if i < len(dims) - 2 else None, name=f"fc{i}")
+                 for i, b in enumerate(dims[1:])]  # fmt: skip
+        return keras.Sequential([keras.Input((dims[0],)), *dense])
+
+
+def batch(seed):
+    x = np.random.default_rng(seed).standard_normal((64, 16)).astype(np.float32)
+    return x, np.sin(x[:, :4])
+
+
+def train(mp, model, steps, traced=True, start=0):
+    opt = keras.optimizers.Adam(1e-2)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(model(x), tf.float32) - y))
+        grads = tape.gradient(mp.scale(loss), model.trainable_variables)
+        mp.apply(opt, grads, model.trainable_variables)
+        return loss
+
+    step = tf.function(step) if traced else step
+    return [float(step(*batch(start + i))) for i in range(steps)]
+
+
+def test_the_keep_list_keeps_first_and_last_dense_and_patterns():
+    mp = pa.MixedPrecision("mxfp8", framework="tensorflow")
+    model = mlp(mp)
+    mp.watch(model)
+    assert mp._dense.kept == ["fc0", "fc3"] and [n for n, _ in mp._dense.quantized] == ["fc1", "fc2"]
+    assert tr.DenseLayers(model, ("fc[12]",)).kept == ["fc1", "fc2"]
+    assert tr.DenseLayers(model, ()).kept == []
+    a, b = keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b")
+    inner = keras.Sequential([keras.Input((16,)), a, b], name="block")
+    outer = keras.Sequential([keras.Input((16,)), inner, keras.layers.Dense(4, name="head")])
+    assert tr.DenseLayers(outer, ("block",)).kept == ["block/a", "block/b"]
+    assert tr.DenseLayers(outer, ("first",)).kept == ["block/a"]
+    with pytest.raises(
+        PolyampError, match="keep entry 'attn\\*' matches no layer of the model; its layers: fc0"
+    ):
+        tr.DenseLayers(model, ("attn*",))
+    # with both layers kept, a two-layer model computes exactly as bf16-mixed
+    x = batch(0)[0]
+    outs = []
+    for policy in ("bf16-mixed", "mxfp8", "mxfp8:keep="):
+        m = pa.MixedPrecision(policy, framework="tensorflow")
+        model = mlp(m, dims=(16, 32, 4))
+        m.watch(model)
+        outs.append(model(x).numpy().astype(np.float32))
+    assert same(outs[1], outs[0]) and not same(outs[2], outs[0])
+
+
+@pytest.mark.parametrize("spec", ["fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4"])
+def test_each_recipe_trains_in_a_custom_loop(spec):
+    mp = pa.MixedPrecision(spec, framework="tensorflow")
+    model = mlp(mp)
+    mp.watch(model)
+    losses = train(mp, model, 40)
+    assert np.mean(losses[-5:]) < 0.5 * losses[0]
+    assert mp.recipe == recipes.parse_recipe(spec)
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "fp8-delayed"])
+def test_the_gemms_and_their_state_are_the_same_eagerly_in_tf_function_and_xla(spec):
+    """Two calls (the second one's seeds and scales come from the state the first left) per mode; XLA's
+    bf16 matmuls may round their sums differently from TF's kernels, the quantization may not."""
+    x, w, g = wide((2, 16, 64), 3), wide((64, 96), 4) / 8, wide((32, 96), 5).reshape(2, 16, 96)
+    runs = []
+    for jit in (None, False, True):
+        q = tr.Quantizer(recipes.parse_recipe(spec))
+        for operand in ("input", "weight", "grad") if q.recipe.kind == "delayed" else ():
+            q.add("fc", operand)
+        fn = tr.linear(q, "fc", tf.bfloat16)
+        wt = tf.Variable(w)
+
+        def run(xt, gt, fn=fn, wt=wt):
+            with tf.GradientTape() as tape:
+                tape.watch(xt)
+                y = fn(xt, wt)
+            return (y, *tape.gradient(y, [xt, wt], output_gradients=gt))
+
+        run = run if jit is None else tf.function(run, jit_compile=jit)
+        outs = [t.numpy() for _ in range(2) for t in run(tf.constant(x), tf.constant(g))]
+        runs.append((outs, q.state_dict()))
+    assert not same(runs[0][0][1], runs[0][0][4])  # the state moved on
+    (eager, state), (traced, traced_state), (xla, xla_state) = runs
+    assert all(same(a, b) for a, b in zip(traced, eager)) and traced_state == state
+    assert all(np.allclose(a, b, rtol=1e-2, atol=1e-3) for a, b in zip(xla, eager)) and xla_state == state
+
+
+def test_fit_trains_with_the_recipe():
+    mp = pa.MixedPrecision("mxfp8:keep=", framework="tensorflow")
+    model = mlp(mp)
+    mp.watch(model)
+    model.compile(optimizer=mp.optimizer(keras.optimizers.Adam(1e-2)), loss="mse")
+    x, y = batch(0)
+    history = model.fit(x, y, epochs=15, batch_size=16, verbose=0)
+    assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+
+
+@pytest.mark.parametrize("spec", ["fp8-delayed:history_len=4:keep=", "nvfp4:keep="])
+def test_recipe_state_resumes_bit_for_bit(spec):
+    mp = pa.MixedPrecision(spec, framework="tensorflow")
+    model = mlp(mp)
+    mp.watch(model)
+    train(mp, model, 3, traced=False)
+    saved = json.loads(json.dumps(mp.state_dict()))  # plain values
+    weights = model.get_weights()
+    state = saved["recipe"]["state"]
+    assert state["calls"] > 0 if spec.startswith("nvfp4") else state["delayed"]["fc1|grad"]["steps"] == 3
+    going_on = train(mp, model, 3, traced=False, start=3)
+
+    mp2 = pa.MixedPrecision(spec, framework="tensorflow")
+    model2 = mlp(mp2, seed=5)
+    model2.set_weights(weights)
+    mp2.watch(model2)
+    mp2.load_state_dict(saved)
+    assert mp2.state_dict()["recipe"] == saved["recipe"]
+    assert train(mp2, model2, 3, traced=False, start=3) == going_on
+    assert all(same(a, b) for a, b in zip(model.get_weights(), model2.get_weights()))
+
+
+def test_bad_input_is_one_clear_error():
+    mp = pa.MixedPrecision("fp8-delayed", framework="tensorflow")
+    model = mlp(mp)
+    with pytest.raises(PolyampError, match="call mp.watch\\(model\\) once before training"):
+        mp.optimizer(keras.optimizers.SGD())
+    with pytest.raises(PolyampError, match="call mp.watch\\(model\\) once before training"):
+        mp.apply(keras.optimizers.SGD(), [tf.zeros_like(v) for v in model.trainable_variables],
+                 model.trainable_variables)  # fmt: skip
+    state = mp.state_dict()
+    state["recipe"]["state"]["delayed"] = {"fc1|input": {}}
+    with pytest.raises(PolyampError, match="call mp.watch\\(model\\) before mp.load_state_dict"):
+        mp.load_state_dict(state)
+    mp.watch(model)
+    with pytest.raises(
+        PolyampError, match="holds an amax history for 'fc9\\|input', which this model has not"
+    ):
+        state["recipe"]["state"]["delayed"] = {"fc9|input": {}}
+        mp.load_state_dict(state)
+    with pytest.raises(PolyampError, match="lacks"):
+        state["recipe"]["state"]["delayed"] = {"fc1|input": {}}
+        mp.load_state_dict(state)
+    with pytest.raises(PolyampError, match="calls must be an integer >= 0"):
+        state["recipe"]["state"] = {"calls": -1, "delayed": {}}
+        mp.load_state_dict(state)
+    with pytest.raises(PolyampError, match="saved with recipe 'fp8-delayed', this run uses 'mxfp8'"):
+        pa.MixedPrecision("mxfp8", framework="tensorflow").load_state_dict(mp.state_dict())
+    with pytest.raises(PolyampError, match="keep entry 'nothing' matches no layer"):
+        pa.MixedPrecision("mxfp8:keep=nothing", framework="tensorflow").watch(model)
+    with pytest.raises(PolyampError, match="Hadamard"):
+        pa.MixedPrecision("nvfp4:hadamard=true", framework="tensorflow")
