@@ -38,10 +38,9 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import Any
 
 from ..errors import PolyampError, UnsupportedError
-from ..recipes import DelayedScaling, Recipe
+from ..quantizer_state import QuantizerState
 from .keep import _ORIGINAL_OPS, blocks, dtype_name
 from .quantize import amax, current_scale, quantize_blocks, quantize_tensorwise
 
@@ -56,14 +55,9 @@ with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated si
 _FC = (_ORIGINAL_OPS or {}).get("mxnet.ndarray", {}).get("FullyConnected", mx.nd.FullyConnected)
 
 
-class Quantizer:
-    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps: delayed scaling
-    per (layer, operand) and the stochastic-rounding counter."""
-
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
-        self.delayed: dict[tuple[str, str], DelayedScaling] = {}
-        self.calls = 0
+class Quantizer(QuantizerState):
+    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps
+    (``QuantizerState``: delayed scaling per (layer, operand), the stochastic-rounding counter)."""
 
     def __call__(self, x, layer: str, operand: str, axis: int = -1):
         """``x`` (an NDArray) quantized and dequantized as the recipe's ``operand`` ("input", "weight",
@@ -81,35 +75,11 @@ class Quantizer:
                                    seed=seed)  # fmt: skip
         a = amax(x)
         if r.kind == "delayed":  # the scale from the history, then this amax into it (a host read)
-            ds = self.delayed.get((layer, operand)) or self._history(layer, operand)
+            ds = self.history(layer, operand)
             out = quantize_tensorwise(x, fmt, float(ds.scale), rounding, seed)
             ds.update(float(a.asnumpy()[0]))
             return out
         return quantize_tensorwise(x, fmt, current_scale(a, fmt, r.margin, r.amax_epsilon), rounding, seed)
-
-    def _history(self, layer: str, operand: str) -> DelayedScaling:
-        r = self.recipe
-        fmt = r.backward_format if operand == "grad" else r.forward_format
-        ds = self.delayed[layer, operand] = DelayedScaling(fmt, r.history_len, r.amax_compute_algo, r.margin)
-        return ds
-
-    def state_dict(self) -> dict[str, Any]:
-        """The delayed-scaling states (``"layer|operand" -> DelayedScaling.state_dict()``), the counter."""
-        return {"calls": self.calls,
-                "delayed": {f"{k[0]}|{k[1]}": v.state_dict() for k, v in self.delayed.items()}}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {"calls", "delayed"}:
-            raise PolyampError(f"a recipe state must be Quantizer.state_dict()'s dict; received {state!r}")
-        before = self.delayed, self.calls
-        self.delayed, self.calls = {}, int(state["calls"])
-        try:
-            for key, value in state["delayed"].items():
-                layer, _, operand = key.rpartition("|")
-                self._history(layer, operand).load_state_dict(value)
-        except BaseException:  # a bad entry leaves the state as it was
-            self.delayed, self.calls = before
-            raise
 
 
 def _cast(x, compute: str):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +43,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import PolyampError
 from ..numerics import get_format
-from ..recipes import DelayedScaling, Recipe
+from ..quantizer_state import QuantizerState
 from .hadamard import hadamard_tiles
 from .quantize import quantize, quantize_blocks
 
@@ -53,14 +52,9 @@ _COMPUTE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _FLT_MAX = float(np.finfo(np.float32).max)
 
 
-class Quantizer:
-    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps: delayed scaling
-    per (layer, operand) and the stochastic-rounding counter."""
-
-    def __init__(self, recipe: Recipe):
-        self.recipe = recipe
-        self.delayed: dict[tuple[str, str], DelayedScaling] = {}
-        self.calls = 0
+class Quantizer(QuantizerState):
+    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps
+    (``QuantizerState``: delayed scaling per (layer, operand), the stochastic-rounding counter)."""
 
     def __call__(self, x: torch.Tensor, layer: str, operand: str, axis: int = -1) -> torch.Tensor:
         """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"),
@@ -79,36 +73,12 @@ class Quantizer:
         x32 = x.detach().float()
         amax = x32.abs().amax() if x32.numel() else x32.new_zeros(())
         if r.kind == "delayed":  # the scale from the history, then this amax into it (a host read)
-            ds = self.delayed.get((layer, operand)) or self._history(layer, operand)
+            ds = self.history(layer, operand)
             scale = torch.tensor(float(ds.scale), dtype=torch.float32, device=x.device)
             out = _tensorwise(x32, fmt, scale, rounding, seed)
             ds.update(float(amax))
             return out
         return _tensorwise(x32, fmt, current_scale(amax, fmt, r.margin, r.amax_epsilon), rounding, seed)
-
-    def _history(self, layer: str, operand: str) -> DelayedScaling:
-        r = self.recipe
-        fmt = r.backward_format if operand == "grad" else r.forward_format
-        ds = self.delayed[layer, operand] = DelayedScaling(fmt, r.history_len, r.amax_compute_algo, r.margin)
-        return ds
-
-    def state_dict(self) -> dict[str, Any]:
-        """The delayed-scaling states (``"layer|operand" -> DelayedScaling.state_dict()``), the counter."""
-        return {"calls": self.calls,
-                "delayed": {f"{k[0]}|{k[1]}": v.state_dict() for k, v in self.delayed.items()}}  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or set(state) != {"calls", "delayed"}:
-            raise PolyampError(f"a recipe state must be Quantizer.state_dict()'s dict; received {state!r}")
-        before = self.delayed, self.calls
-        self.delayed, self.calls = {}, int(state["calls"])
-        try:
-            for key, value in state["delayed"].items():
-                layer, _, operand = key.rpartition("|")
-                self._history(layer, operand).load_state_dict(value)
-        except BaseException:  # a bad entry leaves the state as it was
-            self.delayed, self.calls = before
-            raise
 
 
 def current_scale(amax: torch.Tensor, fmt: str, margin: int = 0, eps: float = 0.0) -> torch.Tensor:
