@@ -40,7 +40,8 @@ demo: venv venv-mxnet
 
 test: venv venv-mxnet
 	$(PY) -m ruff check src tests benchmarks examples
-	POLYAMP_REQUIRE_NUMBA=1 $(PY) -m pytest -q
+	# two workers (both cores), each test file in one of them: most tests spend one core tracing and compiling
+	POLYAMP_REQUIRE_NUMBA=1 $(PY) -m pytest -q -n 2 --dist loadfile
 	# MXNet and polyamp's core under numpy 1.23, in MXNet's own environment
 	POLYAMP_TEST_FRAMEWORKS=mxnet $(MXNET_PY) -m pytest -q tests/test_mxnet.py tests/test_contract.py tests/test_front_ends.py tests/test_compare_workloads.py \
 		tests/test_formats.py tests/test_rounding.py tests/test_policy.py tests/test_scaling.py tests/test_import.py \

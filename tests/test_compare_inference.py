@@ -11,6 +11,7 @@ import json
 import math
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -25,10 +26,7 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
 LOW_PRECISION_WEIGHTS = {"jax"}
 
 
-def _records(framework: str, tmp_path) -> list[dict]:
-    python = runner.interpreter(framework)
-    if python is None:
-        pytest.skip(f"{framework} is not installed")
+def _records(framework: str, python: str, tmp_path) -> list[dict]:
     cases = [(framework, "mlp", p) for p in POLICIES]
     if framework == "mxnet":
         records: list = [None] * len(cases)
@@ -48,9 +46,20 @@ def _records(framework: str, tmp_path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory):
+    """Each installed framework's group, started at once, two at a time (each one's own processes)."""
+    installed = {f: runner.interpreter(f) for f in ("tensorflow", "mxnet", "jax", "torch")}  # slowest first
+    with ThreadPoolExecutor(2) as pool:
+        yield {f: pool.submit(_records, f, python, tmp_path_factory.mktemp(f))
+               for f, python in installed.items() if python is not None}  # fmt: skip
+
+
 @pytest.mark.parametrize("framework", runner.FRAMEWORKS)
-def test_every_trained_case_records_its_memory_and_paired_inference(framework, tmp_path):
-    records = {r["policy"]: r for r in _records(framework, tmp_path)}
+def test_every_trained_case_records_its_memory_and_paired_inference(framework, groups):
+    if framework not in groups:
+        pytest.skip(f"{framework} is not installed")
+    records = {r["policy"]: r for r in groups[framework].result()}
     assert list(records) == list(POLICIES)
     wl = get_workload("mlp", quick=True)
     rows = len(wl.heldout()[0][0])

@@ -163,8 +163,11 @@ def test_a_trainer_lacking_a_member_is_not_a_trainer():
 
         def __init__(self, wl, policy): ...
         def step(self, i): return 0.0  # fmt: skip
+
         def evaluate(self): return 0.0  # fmt: skip
+
         def forward(self, x): return x  # fmt: skip
+
         def infer(self, x): return x  # fmt: skip
 
     assert not isinstance(Partial(None, "float32"), Trainer)

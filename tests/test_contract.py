@@ -175,7 +175,7 @@ def test_resume_from_a_checkpoint_is_bit_identical(driver, name):
 
 RESUME = textwrap.dedent(
     """
-    import pickle, sys
+    import os, pickle, sys, time
     sys.path.insert(0, sys.argv[1])
     import test_contract as t
     from contract import DRIVERS
@@ -184,6 +184,9 @@ RESUME = textwrap.dedent(
     for name in sys.argv[5:]:
         run = driver.make(optimizer="adam", lr=1e-2, loss_scale=t.RESUME_SCALES[name])
         if mode == "resume":
+            deadline = time.time() + 300
+            while not os.path.exists(f"{path}.{name}.saved") and time.time() < deadline:  # "save" runs
+                time.sleep(0.05)
             with open(f"{path}.{name}", "rb") as f:
                 run.load_state_dict(pickle.load(f))
         scales = []
@@ -191,6 +194,7 @@ RESUME = textwrap.dedent(
             if mode == "save" and i == 17:
                 with open(f"{path}.{name}", "wb") as f:
                     pickle.dump(run.state_dict(), f)
+                open(f"{path}.{name}.saved", "w").close()
             scales.append(run.step(t.resume_fault(i))[1])
         run.state()  # JAX: mp.sync, so that mp.state_dict() holds the last step
         out[name] = {"scales": scales, "snapshot": run.snapshot(), "state": run.mp.state_dict()}
@@ -210,14 +214,24 @@ def test_resume_in_a_new_process_is_bit_identical(driver, tmp_path):
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
     driver.load()  # skips here, where the framework is not installed and not requested
 
-    def run(mode):
+    def start(mode):
         cmd = [sys.executable, "-c", RESUME, str(Path(__file__).parent), driver.id, mode,
                str(tmp_path / "ckpt"), *names]  # fmt: skip
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish(proc, mode):
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
         return pickle.loads((tmp_path / f"ckpt.{mode}").read_bytes())
 
-    whole, resumed = run("save"), run("resume")
+    # side by side: the resuming process imports its framework while the saving one runs, and waits for
+    # each checkpoint of step 17
+    saving, resuming = start("save"), start("resume")
+    try:
+        whole, resumed = finish(saving, "save"), finish(resuming, "resume")
+    finally:
+        for proc in (saving, resuming):
+            proc.kill()
     for name in names:
         assert resumed[name]["scales"] == whole[name]["scales"][17:], name
         assert resumed[name]["state"] == whole[name]["state"], name
@@ -243,8 +257,10 @@ BAD_CONSTRUCTION = [
     ({"loss_scale": -1.0}, r"StaticLossScale scale must be a finite number > 0; received -1.0"),
     ({"loss_scale": NAN}, r"StaticLossScale scale must be a finite number > 0; received nan"),
     ({"loss_scale": object()}, r"unknown loss_scale <object"),
-    ({"loss_scale": Incomplete()},
-     r"Incomplete lacks kind, max_consecutive_skips, update_arrays, check, check_traceable, as_dict"),
+    (
+        {"loss_scale": Incomplete()},
+        r"Incomplete lacks kind, max_consecutive_skips, update_arrays, check, check_traceable, as_dict",
+    ),
     ({"guard": "yes"}, r"guard must be True or False; received 'yes'"),
     ({"guard": False, "loss_scale": "dynamic"}, r"guard=False needs loss_scale='none'"),
 ]

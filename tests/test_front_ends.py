@@ -37,23 +37,34 @@ def test_mixed_precision_returns_the_framework_s_own_object(name):
         cls("bf16-mixed", framework=other)
 
 
-def imported_after(code: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", f"import sys\n{code}\n"
-                          "print(','.join(m for m in ('torch', 'tensorflow', 'jax', 'mxnet', 'keras') "
-                          "if m in sys.modules))"],  # fmt: skip
-                         capture_output=True, text=True, check=True)  # fmt: skip
-    return out.stdout.strip().splitlines()[-1].split(",")
+PRINT_FRAMEWORKS = (
+    "print(','.join(m for m in ('torch', 'tensorflow', 'jax', 'mxnet', 'keras') if m in sys.modules))"
+)
+
+
+def imported_after(*codes: str) -> list[list[str]]:
+    """The frameworks in ``sys.modules`` after each of ``codes``, each run in a fresh interpreter (the
+    interpreters run side by side)."""
+    procs = [subprocess.Popen([sys.executable, "-c", f"import sys\n{code}\n{PRINT_FRAMEWORKS}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for code in codes]  # fmt: skip
+    found = []
+    for proc, code in zip(procs, codes):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (code, err)
+        found.append(out.strip().splitlines()[-1].split(","))
+    return found
 
 
 @pytest.mark.parametrize("name", IN_THIS_VENV)
 def test_a_front_end_imports_its_own_framework_only(name):
     front_end(name)
     native = {"torch": "import torch", "jax": "import jax", "tensorflow": "import tensorflow, keras"}[name]
-    assert imported_after(f"import polyamp.{name}") == imported_after(native)
-    assert name in imported_after(f"import polyamp.{name}")
+    ours, theirs = imported_after(f"import polyamp.{name}", native)
+    assert ours == theirs and name in ours
     others = {"torch": {"tensorflow", "jax", "mxnet"}, "jax": {"torch", "tensorflow", "mxnet"},
               "tensorflow": {"torch", "mxnet"}}[name]  # fmt: skip
-    assert not others & set(imported_after(f"import polyamp.{name}"))
+    assert not others & set(ours)
 
 
 def test_with_one_framework_imported_the_factory_picks_it():
@@ -169,21 +180,38 @@ def test_dependencies_point_from_the_front_ends_to_the_core():
                 assert head not in [f for f in fronts if f != name], f"{name}/{path.name} imports {target}"
 
 
-@pytest.mark.parametrize(("old", "new", "name"), [("polyamp.backends.jax", "polyamp.jax", "step_if_finite"),
-                                                   ("polyamp.backends.jax_autocast", "polyamp.jax.autocast",
-                                                    "AutocastRules"),
-                                                   ("polyamp.backends.tensorflow", "polyamp.tensorflow",
-                                                    "LossScaleLogger"),
-                                                   ("polyamp.training", "polyamp.mixed_precision",
-                                                    "MixedPrecision")])  # fmt: skip
-def test_the_old_module_paths_still_import_with_a_deprecation_warning(old, new, name):
-    require("jax" if "jax" in new else "keras" if "tensorflow" in new else "numpy")
-    code = (f"import warnings\nwarnings.simplefilter('always')\nimport {new}\n"
+OLD_PATHS = [("polyamp.backends.jax", "polyamp.jax", "step_if_finite"),
+             ("polyamp.backends.jax_autocast", "polyamp.jax.autocast", "AutocastRules"),
+             ("polyamp.backends.tensorflow", "polyamp.tensorflow", "LossScaleLogger"),
+             ("polyamp.training", "polyamp.mixed_precision", "MixedPrecision")]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def old_path_runs():
+    """One fresh interpreter per old path, all started at once: each imports the new module, then the
+    old one, and prints whether they hold the same object and the DeprecationWarnings raised."""
+    runs = {}
+    for old, new, name in OLD_PATHS:
+        code = (
+            f"import warnings\nwarnings.simplefilter('always')\nimport {new}\n"
             f"with warnings.catch_warnings(record=True) as w:\n    import {old} as old\n"
             f"print(old.{name} is {new}.{name},\n"
-            "      [str(x.message) for x in w if x.category is DeprecationWarning])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip().splitlines()[-1] == f"True ['{old} moved to {new}']"
+            "      [str(x.message) for x in w if x.category is DeprecationWarning])"
+        )
+        runs[old] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
+    yield runs
+    for proc in runs.values():
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize(("old", "new", "name"), OLD_PATHS)
+def test_the_old_module_paths_still_import_with_a_deprecation_warning(old, new, name, old_path_runs):
+    require("jax" if "jax" in new else "keras" if "tensorflow" in new else "numpy")
+    out, err = old_path_runs[old].communicate(timeout=300)
+    assert old_path_runs[old].returncode == 0, err
+    assert out.strip().splitlines()[-1] == f"True ['{old} moved to {new}']"
 
 
 def test_mxnet_front_end_alone():
@@ -194,4 +222,4 @@ def test_mxnet_front_end_alone():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "polyamp.mxnet"
     quiet = "import warnings\nwarnings.simplefilter('ignore')\n"
-    assert imported_after(quiet + "import polyamp.mxnet") == ["mxnet"]
+    assert imported_after(quiet + "import polyamp.mxnet") == [["mxnet"]]

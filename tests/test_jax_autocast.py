@@ -470,32 +470,37 @@ def test_every_matmul_of_the_compiled_backward_multiplies_bf16():
 def test_moving_the_left_operand_keeps_every_layout_exact():
     """Every order of a left operand with a batch, a free and two contracting dimensions: the
     autocast dot equals the float32 one on bf16-representable inputs (float32 accumulation), and
-    so do both gradients up to bf16 cotangent rounding."""
+    so do both gradients up to bf16 cotangent rounding. All 24 orders in one compiled step, each its
+    own dot with its own operands; the reference is numpy's in float64."""
     sizes = {"b": 3, "m": 5, "k": 7, "c": 2, "n": 4}
     rng = np.random.default_rng(7)
 
     def bf16_exact(dims):
-        return jnp.asarray(rng.standard_normal([sizes[d] for d in dims]), BF16).astype(F32)
+        return np.asarray(jnp.asarray(rng.standard_normal([sizes[d] for d in dims]), BF16).astype(F32))
 
     rhs_dims = "nckb"
     rhs = bf16_exact(rhs_dims)
-    for lhs_dims in itertools.permutations("bmkc"):
-        lhs = bf16_exact(lhs_dims)
-        numbers = (((lhs_dims.index("k"), lhs_dims.index("c")), (rhs_dims.index("k"), rhs_dims.index("c"))),
-                   ((lhs_dims.index("b"),), (rhs_dims.index("b"),)))  # fmt: skip
+    orders = ["".join(order) for order in itertools.permutations("bmkc")]
+    lhs = [bf16_exact(order) for order in orders]
+    numbers = [(((d.index("k"), d.index("c")), (rhs_dims.index("k"), rhs_dims.index("c"))),
+                ((d.index("b"),), (rhs_dims.index("b"),))) for d in orders]  # fmt: skip
 
-        def dot(a, b, numbers=numbers):
-            return lax.dot_general(a, b, numbers, preferred_element_type=F32)
+    def loss(lhs, rhs):
+        ys = [lax.dot_general(a, b, n, preferred_element_type=F32) for a, b, n in zip(lhs, rhs, numbers)]
+        return sum((y**2).sum() for y in ys), ys
 
-        np.testing.assert_allclose(
-            jax.jit(mp_for().autocast(dot))(lhs, rhs), dot(lhs, rhs), rtol=1e-6, atol=1e-5
-        )
-        grads = jax.jit(jax.grad(lambda a, b: (mp_for().autocast(dot)(a, b) ** 2).sum(), argnums=(0, 1)))
-        for got, ref in zip(
-            grads(lhs, rhs), jax.grad(lambda a, b: (dot(a, b) ** 2).sum(), argnums=(0, 1))(lhs, rhs)
-        ):
+    step = jax.jit(jax.grad(mp_for().autocast(loss), argnums=(0, 1), has_aux=True))
+    (dlhs, drhs), ys = step([jnp.asarray(a) for a in lhs], [jnp.asarray(rhs)] * len(orders))
+    for order, a, y, da, db in zip(orders, lhs, ys, dlhs, drhs):
+        # y[b, m, n] = sum over k, c of lhs * rhs; L = sum y^2, so dL/dy = 2 y
+        want = np.einsum(f"{order},nckb->bmn", a.astype(np.float64), rhs.astype(np.float64))
+        np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-5, err_msg=order)
+        want_da = np.einsum(f"bmn,nckb->{order}", 2 * want, rhs.astype(np.float64))
+        want_db = np.einsum(f"bmn,{order}->nckb", 2 * want, a.astype(np.float64))
+        for got, ref in ((da, want_da), (db, want_db)):
             assert got.shape == ref.shape
-            assert float(jnp.linalg.norm(got - ref)) <= 4 * EPS["bf16-mixed"] * float(jnp.linalg.norm(ref))
+            error = np.linalg.norm(np.asarray(got, np.float64) - ref)
+            assert error <= 4 * EPS["bf16-mixed"] * np.linalg.norm(ref), order
 
 
 def test_a_transposed_result_of_a_moved_dot_compiles():

@@ -127,9 +127,11 @@ def test_the_keep_list_names_scopes_and_keeps_first_and_last_by_default():
         jr.kept_layers(closed.jaxpr, ("attn*",))
     # a two-layer model with both kept computes exactly as bf16-mixed
     small, y = init([16, 32, 4]), jnp.ones((8, 4))
-    plain = pa.MixedPrecision("bf16-mixed", framework="jax").autocast(loss_fn)(small, x, y)
-    kept = pa.MixedPrecision("mxfp8", framework="jax").autocast(loss_fn)(small, x, y)
-    everything = pa.MixedPrecision("mxfp8:keep=", framework="jax").autocast(loss_fn)(small, x, y)
+
+    def loss_under(policy):  # compiled: one program instead of op-by-op dispatch
+        return jax.jit(pa.MixedPrecision(policy, framework="jax").autocast(loss_fn))(small, x, y)
+
+    plain, kept, everything = loss_under("bf16-mixed"), loss_under("mxfp8"), loss_under("mxfp8:keep=")
     assert float(kept) == float(plain) and float(everything) != float(plain)
 
 
@@ -289,14 +291,15 @@ def test_different_steps_round_differently_and_the_same_step_the_same():
     r = recipes.get_recipe("nvfp4")
     x, w, g = wide((32, 64), 16), wide((64, 32), 17), wide((32, 32), 18)
 
+    @jax.jit  # the step counter traced: one program for every step
     def grads(calls):
-        run = rs.Run(r, jnp.uint32(calls), {})
+        run = rs.Run(r, calls, {})
         run.count, run.closed = 1, True
         fn = jr.dot(r, jnp.float32, jnp.float32, jnp.float32, run, 0)
         one = jnp.float32(1)
-        return jax.vjp(lambda a, b: fn(a, b, one, one, one, jnp.uint32(calls)), x, w)[1](g)
+        return jax.vjp(lambda a, b: fn(a, b, one, one, one, calls), x, w)[1](g)
 
-    a, b, c = grads(0), grads(0), grads(5)
+    a, b, c = grads(jnp.uint32(0)), grads(jnp.uint32(0)), grads(jnp.uint32(5))
     assert same(a[1], b[1]) and not same(a[1], c[1])
 
 
@@ -370,31 +373,32 @@ def test_delayed_training_steps_are_the_cores_step_for_step():
 
 @pytest.mark.parametrize("spec", ["fp8-delayed:history_len=4", "nvfp4"])
 def test_a_resumed_run_continues_bit_for_bit(spec):
+    """Three steps, saved as JSON; three more steps in the same run, and in a new MixedPrecision that
+    loads the saved state: the same parameters, optimizer state and recipe state."""
     import json
 
-    def run(steps, mp, p, s, state):
-        step = stateful_step(mp, mp.autocast(loss_fn), opt)
+    def run(steps, step, p, s, state):
         for x, y in steps:
             p, s, state, _ = step(p, s, state, x, y)
         return p, s, state
 
     opt = optax.adam(1e-2)
     data = list(batches(6, seed=3))
-    mp = pa.MixedPrecision(spec, framework="jax")
-    p0 = init([16, 32, 32, 32, 4])
-    whole = run(data, mp, p0, opt.init(p0), mp.init())
     first = pa.MixedPrecision(spec, framework="jax")
-    p, s, state = run(data[:3], first, p0, opt.init(p0), first.init())
+    p0 = init([16, 32, 32, 32, 4])
+    step = stateful_step(first, first.autocast(loss_fn), opt)
+    p, s, state = run(data[:3], step, p0, opt.init(p0), first.init())
     first.sync(state)
     saved = json.loads(json.dumps(first.state_dict()))
     assert saved["recipe"]["name"] == recipes.recipe_spec(first.recipe)
     assert saved["recipe"]["state"]["calls"] > 0
+    whole = run(data[3:], step, p, s, state)
     second = pa.MixedPrecision(spec, framework="jax")
     second.load_state_dict(saved)
-    resumed = run(data[3:], second, p, s, second.init())
+    resumed = run(data[3:], stateful_step(second, second.autocast(loss_fn), opt), p, s, second.init())
     assert all(same(a, b) for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)))
     second.sync(resumed[2])
-    assert second.state_dict() == (mp.sync(whole[2]), mp.state_dict())[1]
+    assert second.state_dict() == (first.sync(whole[2]), first.state_dict())[1]
 
 
 def test_a_recipe_state_that_does_not_fit_is_refused():
@@ -471,7 +475,7 @@ def test_amaxes_are_all_reduced_over_the_data_parallel_axis():
     def step(x, y):
         return mp.value_and_grad(f, axis_name="b")(p, x, y, state=state)[2]
 
-    after = jax.vmap(step, axis_name="b")(xs, ys).recipe.delayed
+    after = jax.jit(jax.vmap(step, axis_name="b"))(xs, ys).recipe.delayed
     recorded = np.asarray(after["fc0|input"]["history"])[:, -1]  # this step's amax, rolled to the end
     assert list(recorded) == [float(np.abs(xs).max())] * 2
     assert all(same(e["scale"][0], e["scale"][1]) for e in after.values())

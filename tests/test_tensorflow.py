@@ -394,11 +394,12 @@ def test_tf_train_checkpoint_holds_the_loss_scale_state(tmp_path):
 
 RESUME = textwrap.dedent(
     """
-    import os, sys, json
+    import os, sys, json, time
     os.environ["KERAS_BACKEND"] = "tensorflow"
     import numpy as np, tensorflow as tf, keras, polyamp as pa
     tf.config.experimental.enable_op_determinism()
     mode, path, start, stop, save_at = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
+    saved = os.path.join(os.path.dirname(path), "saved")  # written once the full run's checkpoint is
     mp = pa.MixedPrecision("fp16-mixed", framework="tensorflow",
                            loss_scale=pa.DynamicLossScale(growth_interval=3))
     keras.utils.set_random_seed(0)
@@ -408,6 +409,9 @@ RESUME = textwrap.dedent(
     opt = keras.optimizers.Adam(1e-2)
     ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
     if mode == "resume":
+        deadline = time.time() + 300
+        while not os.path.exists(saved) and time.time() < deadline:  # started with the full run
+            time.sleep(0.05)
         status = ckpt.restore(path)
     @tf.function
     def step(x, y, inject):
@@ -422,6 +426,7 @@ RESUME = textwrap.dedent(
     for i in range(start, stop):
         if i == save_at:
             ckpt.save(path + ".ckpt")  # -> path.ckpt-1
+            open(saved, "w").close()
         step(data[i], np.sin(data[i].sum(1, keepdims=True)), tf.constant(i % 7 == 3))
     if mode == "resume":
         status.assert_consumed()  # every saved value, the loss-scale state included, was restored
@@ -436,11 +441,18 @@ def test_resume_in_a_new_process_is_bit_identical(tmp_path):
     script.write_text(RESUME)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
 
-    def run(*args):
-        subprocess.run([sys.executable, str(script), *map(str, args)], check=True, env=env, timeout=300)
+    def start(*args):
+        return subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env)
 
-    run("full", tmp_path / "run", 0, 40, 17)  # writes the checkpoint of step 17 on the way
-    run("resume", tmp_path / "run.ckpt-1", 17, 40, -1)
+    # side by side: the resuming process imports TensorFlow while the full run trains, then waits for
+    # the checkpoint of step 17 that the full run writes on the way
+    full_run = start("full", tmp_path / "run", 0, 40, 17)
+    resume_run = start("resume", tmp_path / "run.ckpt-1", 17, 40, -1)
+    try:
+        assert full_run.wait(timeout=300) == 0 and resume_run.wait(timeout=300) == 0
+    finally:
+        for proc in (full_run, resume_run):
+            proc.kill()
     full = json.loads((tmp_path / "run.full.json").read_text())
     resumed = json.loads((tmp_path / "run.ckpt-1.resume.json").read_text())
     assert full == resumed and full["state"]["steps"] == 40 and full["state"]["skipped"] >= 6
@@ -695,8 +707,11 @@ def test_fit_logs_hold_the_loss_scale_and_the_skipped_steps():
     model.compile(optimizer=mp.optimizer(keras.optimizers.SGD(0.05)), loss="mse")
     x, y = nan_data()
     seen = []  # per batch: the logged scale and the optimizer's own
-    after = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(
-        (logs["loss_scale"], float(model.optimizer.dynamic_scale.numpy()), logs["skipped_steps"])))
+    after = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(
+            (logs["loss_scale"], float(model.optimizer.dynamic_scale.numpy()), logs["skipped_steps"])
+        )
+    )
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
                         callbacks=[LossScaleLogger(), after])  # fmt: skip
     assert history.history["skipped_steps"] == [3, 3] and mp.state.skipped == 6

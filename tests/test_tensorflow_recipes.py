@@ -15,6 +15,7 @@ import keras  # noqa: E402
 
 import polyamp as pa  # noqa: E402
 from polyamp import PolyampError, recipes  # noqa: E402
+from polyamp.numerics import hadamard_tiles  # noqa: E402
 from polyamp.tensorflow import recipe as tr  # noqa: E402
 
 RECIPES = ["fp8-tensorwise", "fp8-delayed", "mxfp8", "mxfp8:scale_rule=floor", "nvfp4",
@@ -117,7 +118,7 @@ def gemm_case(spec, compute=tf.float32):
     return r, (x, w, g), (y, dx, dw), q
 
 
-@pytest.mark.parametrize("spec", RECIPES)
+@pytest.mark.parametrize("spec", [*RECIPES, "nvfp4:hadamard=true"])
 def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
     r, (x, w, g), (y, dx, dw), q = gemm_case(spec)
     block = r.kind == "block"
@@ -135,8 +136,9 @@ def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
     g_dgrad = core(g, r, "grad", -1, seed=1 if sr else None, scale=scale)
     w_dgrad = core(w, r, "weight", 1) if block and not r.weight_2d else wq
     assert same(dx, tf.reshape(mm(g_dgrad, w_dgrad.T), x.shape))
-    x_wgrad = core(x2, r, "input", 0) if block else xq
-    g_wgrad = core(g, r, "grad", 0, seed=2 if sr else None) if block else g_dgrad
+    x_w, g_w = (hadamard_tiles(x2, 0), hadamard_tiles(g, 0)) if r.hadamard else (x2, g)  # tiles along M
+    x_wgrad = core(x_w, r, "input", 0) if block else xq
+    g_wgrad = core(g_w, r, "grad", 0, seed=2 if sr else None) if block else g_dgrad
     assert same(dw, mm(x_wgrad.T, g_wgrad))
     assert int(q.calls.numpy()) == (2 if sr else 0)
 
@@ -209,7 +211,7 @@ def test_each_recipe_trains_in_a_custom_loop(spec):
     mp = pa.MixedPrecision(spec, framework="tensorflow")
     model = mlp(mp)
     mp.watch(model)
-    losses = train(mp, model, 40)
+    losses = train(mp, model, 20)  # the cost is the trace; the last five's mean is ~0.22 of the first
     assert np.mean(losses[-5:]) < 0.5 * losses[0]
     assert mp.recipe == recipes.parse_recipe(spec)
 
@@ -248,7 +250,7 @@ def test_fit_trains_with_the_recipe():
     mp.watch(model)
     model.compile(optimizer=mp.optimizer(keras.optimizers.Adam(1e-2)), loss="mse")
     x, y = batch(0)
-    history = model.fit(x, y, epochs=15, batch_size=16, verbose=0)
+    history = model.fit(x, y, epochs=5, batch_size=16, verbose=0)  # the fifth epoch's loss: ~0.1 of the first
     assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
 
 
@@ -257,12 +259,12 @@ def test_recipe_state_resumes_bit_for_bit(spec):
     mp = pa.MixedPrecision(spec, framework="tensorflow")
     model = mlp(mp)
     mp.watch(model)
-    train(mp, model, 3, traced=False)
+    train(mp, model, 2, traced=False)  # eager steps: two before the save and two after it suffice
     saved = json.loads(json.dumps(mp.state_dict()))  # plain values
     weights = model.get_weights()
     state = saved["recipe"]["state"]
-    assert state["calls"] > 0 if spec.startswith("nvfp4") else state["delayed"]["fc1|grad"]["steps"] == 3
-    going_on = train(mp, model, 3, traced=False, start=3)
+    assert state["calls"] > 0 if spec.startswith("nvfp4") else state["delayed"]["fc1|grad"]["steps"] == 2
+    going_on = train(mp, model, 2, traced=False, start=2)
 
     mp2 = pa.MixedPrecision(spec, framework="tensorflow")
     model2 = mlp(mp2, seed=5)
@@ -270,7 +272,7 @@ def test_recipe_state_resumes_bit_for_bit(spec):
     mp2.watch(model2)
     mp2.load_state_dict(saved)
     assert mp2.state_dict()["recipe"] == saved["recipe"]
-    assert train(mp2, model2, 3, traced=False, start=3) == going_on
+    assert train(mp2, model2, 2, traced=False, start=2) == going_on
     assert all(same(a, b) for a, b in zip(model.get_weights(), model2.get_weights()))
 
 
@@ -302,5 +304,14 @@ def test_bad_input_is_one_clear_error():
         pa.MixedPrecision("mxfp8", framework="tensorflow").load_state_dict(mp.state_dict())
     with pytest.raises(PolyampError, match="keep entry 'nothing' matches no layer"):
         pa.MixedPrecision("mxfp8:keep=nothing", framework="tensorflow").watch(model)
-    with pytest.raises(PolyampError, match="Hadamard"):
-        pa.MixedPrecision("nvfp4:hadamard=true", framework="tensorflow")
+
+
+@pytest.mark.parametrize(("shape", "axis"), [((37, 5), 0), ((3, 40), -1), ((2, 33, 7), 1), ((0, 4), 0)])
+def test_hadamard_tiles_equal_the_cores(shape, axis):
+    from polyamp.tensorflow.hadamard import hadamard_tiles as tf_tiles
+
+    x = wide(shape, 9) if math.prod(shape) else np.zeros(shape, np.float32)
+    signature = [tf.TensorSpec([None] * len(shape), tf.float32)]  # the tiled axis of unknown length
+    traced = tf.function(lambda v: tf_tiles(v, axis), input_signature=signature)
+    for got in (tf_tiles(tf.constant(x), axis), traced(tf.constant(x))):
+        assert same(got, hadamard_tiles(x, axis))

@@ -163,9 +163,6 @@ def refusal(recipe: Recipe, framework: str) -> str | None:
     if framework not in BUILT_ON:
         return (f"the {name} recipe trains in polyamp's {', '.join(BUILT_ON)} front ends so far, not in "
                 f"{framework}'s; accepted there: the 16-bit policies (bf16-mixed, fp16-mixed, ...)")
-    if recipe.hadamard and framework not in ("torch", "jax"):
-        return (f"the nvfp4 recipe's random Hadamard transform (hadamard=True) is not built in polyamp's "
-                f"{framework} front end yet; accepted: hadamard=False")
     return None
 
 

@@ -21,16 +21,18 @@ handled as an exact ``_Num``, ``(-1)^neg * sig * 2^exp`` with an unsigned intege
 3. compose the result's bit pattern in the result dtype (NaN is the canonical quiet NaN, signed
    as the core's ``copysign`` leaves it).
 
-Block formats: block amax as the max of the ``|x|`` bit patterns (zero padded; a NaN or inf block
-has the largest pattern and becomes NaN); MX scale exponents from the amax's exponent and top-aligned
-significand; the element quotient ``x / 2^k`` is an exponent shift. NVFP4's quotients (``amax /
-2688``, ``amax_block / (6 g)``, ``x / (s_block g)``) are integer long divisions keeping enough
-quotient bits plus a sticky bit (round to odd), so one rounding of them equals rounding the exact
-quotient, which is what the core's float64 division gives (its docstring proves it). NVFP4 with
-stochastic rounding draws against the core's float64 quotient, so that quotient is reproduced: a
-57-bit long division rounded to 53 bits, in uint64 (under a scoped ``jax.enable_x64`` when x64 is
-off; the result is still float32). Limits: at most 2^32 - 1 elements per call (the stream's counter is
-uint32); ``seed=None`` draws the seed when the function is traced, so a jitted function reuses it.
+Block formats of float32 or narrower input run in float64 XLA ops under a scoped ``jax.enable_x64``
+(``blocks64.py``: several times faster, same bits); float64 input (x64 on) runs here, in integers:
+block amax as the max of the ``|x|`` bit patterns (zero padded; a NaN or inf block has the largest
+pattern and becomes NaN); MX scale exponents from the amax's exponent and top-aligned significand;
+the element quotient ``x / 2^k`` is an exponent shift. NVFP4's quotients (``amax / 2688``,
+``amax_block / (6 g)``, ``x / (s_block g)``) are integer long divisions keeping enough quotient bits
+plus a sticky bit (round to odd), so one rounding of them equals rounding the exact quotient, which
+is what the core's float64 division gives (its docstring proves it); with stochastic rounding the
+core's float64 quotient itself is reproduced (a 57-bit long division rounded to 53 bits) and drawn
+against. The per-block scales of ``blocks64.py`` come from here. Limits: at most 2^32 - 1 elements per
+call (the stream's counter is uint32); ``seed=None`` draws the seed when the function is traced, so a
+jitted function reuses it.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ from jax import lax
 
 from ..errors import PolyampError
 from ..numerics import blocks as _blocks
-from ..numerics.formats import FORMATS, FloatFormat, get_format
-from ..numerics.rounding import _MODE, INPUT_DTYPES, _flag, _mix, _result_dtype, _rounding, _seed
+from ..numerics.formats import FORMATS
+from ..numerics.grid import FLOAT64 as _FLOAT64
+from ..numerics.grid import Grid as _Grid
+from ..numerics.rounding import _MODE, INPUT_DTYPES, _mix, _result_dtype
+from ..numerics.rounding import arguments as _arguments
 
 # float dtype -> (exponent bits, mantissa bits)
 _LAYOUT = {np.dtype(np.float16): (5, 10), np.dtype(ml_dtypes.bfloat16): (8, 7),
@@ -64,13 +69,7 @@ def accepts(x) -> bool:
 
 def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: int | None = None):
     """``polyamp.quantize`` for a JAX array: same values, bits and dtype rule, as JAX ops."""
-    fmt = get_format(fmt)
-    mode = _rounding(rounding)
-    saturate = _flag(saturate, "saturate")
-    if mode == _STOCHASTIC:
-        seed = _seed(seed)
-    elif seed is not None:
-        _seed(seed)
+    fmt, mode, saturate, seed = _arguments(fmt, rounding, saturate, seed)
     x = _input(x, "quantize")
     _check_size(x, mode)
     grid = _Grid.of(fmt, saturate).arrays()
@@ -103,19 +102,30 @@ def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = N
     _check_size(x, mode)
     shape = _blocks._block_shape(bf, block)
     axes = _blocks._axes(axis, x.ndim, len(shape))
-    if bf.scale.name != "e8m0fnu" and mode == _STOCHASTIC and not jax.config.jax_enable_x64:
-        with jax.enable_x64(True):  # the float64 quotient needs uint64 (see the module docstring)
-            return _blocks_call(x, seed, bf, axes, shape, rule, mode)
-    return _blocks_call(x, seed, bf, axes, shape, rule, mode)
+    return blocks_keyed(x, _key(seed), bf, axes, shape, rule, mode)
 
 
-def _blocks_call(x, seed, bf, axes, shape, rule, mode):
-    # the element grid and the scale rule are traced, so one compilation serves every MX format
+def blocks_keyed(x, key, bf, axes, shape, rule, mode, order=None):
+    """``quantize_blocks``' values (arguments checked) with the stream's key in place of the seed; with
+    ``order``, stochastic rounding indexes elements by their position in ``x.transpose(order)``. NVFP4 of
+    float32 or narrower input takes the float64 route (``blocks64.py``), float64 input the integer one."""
+    from . import blocks64  # it builds on this module
+
     mx = bf.scale.name == "e8m0fnu"
+    code = _blocks.SCALE_RULES.index(rule) if mx else 0
+    if x.dtype != jnp.float64:
+        with jax.enable_x64(True):  # scoped: float64 and uint64 for this call only
+            return blocks64.values_jit(x, key, bf=bf, rule=code, axes=axes, shape=shape,
+                                       stochastic=mode == _STOCHASTIC, order=order)  # fmt: skip
+    if order is not None:  # the integer route indexes x's own layout: quantize the transposed copy
+        back = tuple(np.argsort(order))
+        moved = tuple(order.index(a) for a in axes)
+        return jnp.transpose(blocks_keyed(jnp.transpose(x, order), key, bf, moved, shape, rule, mode), back)
+    # the element grid and the scale rule are traced, so one compilation serves every MX format
     elem = _Grid.of(bf.element, True).arrays()
-    code = np.int32(_blocks.SCALE_RULES.index(rule) if mx else 0)
-    bf = None if mx else bf
-    return _blocks_values(x, _key(seed), elem, code, bf=bf, axes=axes, shape=shape, mode=mode)
+    return _blocks_values(
+        x, key, elem, np.int32(code), bf=None if mx else bf, axes=axes, shape=shape, mode=mode
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("bf", "axes", "shape", "mode"))
@@ -173,37 +183,6 @@ class _Num(NamedTuple):
     exp: jax.Array
     nan: jax.Array
     inf: jax.Array
-
-
-class _Grid(NamedTuple):
-    """What ``_round`` needs of a format: mantissa bits, exponent range, max as ``fm * 2^(emax - m)``,
-    the overflow value (max if ``ovf_max``, else NaN if ``ovf_nan``, else inf) and the sign / zero
-    conventions. Python values, or arrays (``quantize`` passes them traced: one compilation serves
-    every format)."""
-
-    mbits: int
-    emin: int
-    emax: int
-    fm: int
-    ovf_max: bool
-    ovf_nan: bool
-    pos_zero: bool
-    signed: bool
-    subnormals: bool
-
-    @classmethod
-    def of(cls, fmt: FloatFormat, saturate: bool) -> _Grid:
-        ovf_max = saturate or fmt.saturates_always
-        fm = int(fmt.max * 2.0 ** (fmt.mbits - fmt.emax))
-        return cls(fmt.mbits, fmt.emin, fmt.emax, fm, ovf_max, not ovf_max and not fmt.has_inf,
-                   not fmt.has_negative_zero, fmt.signed, fmt.subnormals)  # fmt: skip
-
-    def arrays(self) -> _Grid:
-        return _Grid(*(np.int32(v) if isinstance(v, int) and not isinstance(v, bool) else np.bool_(v)
-                       for v in self))  # fmt: skip
-
-
-_FLOAT64 = _Grid(52, -1022, 1023, (1 << 53) - 1, False, False, False, True, True)
 
 
 def _width(u) -> int:
@@ -418,7 +397,8 @@ def _mx_exponent(amax: _Num, g: _Grid, rule) -> jax.Array:
     one = jnp.asarray(1 << (w - 2), u)
     fmax = _shl(jnp.asarray(g.fm).astype(u), (w - 2) - jnp.asarray(g.mbits))
     even = 2 * one - _shr(one, jnp.asarray(g.mbits) + 1)
-    up = jnp.select([rule == 1, rule == 2, rule == 3], [top > fmax, top != one, top >= even], False)
+    # nested wheres, not jnp.select: its argmax breaks lowering under a scoped jax.enable_x64 in a jit
+    up = jnp.where(rule == 1, top > fmax, jnp.where(rule == 2, top != one, (rule == 3) & (top >= even)))
     k = e - g.emax + up.astype(jnp.int32)
     k = jnp.where(amax.sig == 0, -127, k)
     return jnp.clip(k, -127, 127).astype(jnp.int32)

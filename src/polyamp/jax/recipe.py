@@ -10,10 +10,12 @@ the recipe, as ``polyamp/torch/recipe.py`` describes, in a ``jax.custom_vjp``:
     input grad     dx = Qb(g) @ Qf'(w)^T        blocks along N (g's last axis, w's last)
     weight grad    dw = Qf'(x)^T @ Qb'(g)       blocks along the rows M of x and g
 
-Each operand is quantized in torch's layout (``w^T`` for the forward weight, ``x^T`` and ``g^T`` for the
-weight gradient, blocked along their last axis), so stochastic rounding indexes the same elements as
-torch's recipe. With ``hadamard=True`` (NVFP4) ``x^T`` and ``g^T`` are first multiplied by the random
-Hadamard matrix in tiles of 16 along ``M`` (:func:`hadamard_tiles`, ``polyamp/numerics/hadamard.py``'s
+Each operand is quantized as torch's layout has it (``w^T`` for the forward weight, ``x^T`` and ``g^T``
+for the weight gradient, blocked along their last axis), so stochastic rounding indexes the same
+elements as torch's recipe; the transposed operands are never copied: ``w``, ``x`` and ``g`` are blocked
+along their axis 0 in place, indexed as their transposes (``quantize(..., transposed=True)``). With
+``hadamard=True`` (NVFP4) ``x^T`` and ``g^T`` are first multiplied by the random Hadamard matrix in
+tiles of 16 along ``M`` (:func:`hadamard_tiles`, ``polyamp/numerics/hadamard.py``'s
 float32 butterfly; ``M`` zero padded to a multiple of 16).
 
 Batched matmuls (attention's scores and values) and convolutions run as the bf16 policy does. A
@@ -23,7 +25,7 @@ first and last dense matmul in trace order, other entries ``fnmatch`` patterns o
 Quantization is JAX ops, bit-identical to the numpy core (``tests/test_jax_recipes.py``): per-tensor
 scales are TE's float32 quotient ``Fmax / amax`` (``recipes.current_scale``; the quotient of two
 float32 is rounded once, as the core's float64-then-float32 is), the casts ``jnp.float8_e4m3fn`` /
-``float8_e5m2`` after clamping to the format's range; blocks are ``polyamp.jax.quantize_blocks``. One
+``float8_e5m2`` after clamping to the format's range; blocks are ``polyamp.jax.quantize_blocks``'s. One
 exception: XLA on the CPU flushes float32 subnormals, so a tensor whose every value is subnormal (its
 amax below 2^-126) quantizes to zeros, where the core scales it up, and a Hadamard tile whose inputs,
 sums or results are subnormal differs from the core's there.
@@ -49,7 +51,7 @@ from ..numerics import get_format
 from ..numerics import hadamard as _hadamard
 from ..numerics.rounding import _MODE
 from ..recipes import Recipe
-from .quantize import _blocks_values, _Grid, _quantize, quantize_blocks
+from .quantize import _Grid, _key, _quantize, blocks_keyed
 from .recipe_state import OPERANDS, Run, active, calls_per_matmul, keeps_state, scale_from_amax, seed_key
 from .scopes import name_scopes
 
@@ -84,52 +86,47 @@ def _amax(x32):
     return jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
 
 
-def quantize(x, recipe: Recipe, operand: str, axis: int, scale=None, key=None):
+def quantize(x, recipe: Recipe, operand: str, axis: int, scale=None, key=None, transposed: bool = False):
     """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"), blocks
     along ``axis`` (NVFP4 weights: 16x16 tiles); float32. ``scale``: a delayed recipe's scale; ``key``:
-    the stream key of stochastic rounding's seed (without it the recipe must round to nearest)."""
+    the stream key of stochastic rounding's seed (without it the recipe must round to nearest);
+    ``transposed``: ``x`` (2-d) stands for ``x^T`` blocked along its last axis, so blocks run along
+    ``x``'s axis 0 and stochastic rounding indexes ``x^T``'s elements (``quantize(x.T, ...).T``, without
+    the transposed copies)."""
     grad = operand == "grad"
     fmt = recipe.backward_format if grad else recipe.forward_format
     rounding = recipe.grad_rounding if grad else recipe.forward_rounding
+    if recipe.kind != "block" and transposed:
+        return tensorwise(x.T, fmt, recipe.margin, recipe.amax_epsilon, scale, rounding, key).T
     if recipe.kind != "block":
         return tensorwise(x, fmt, recipe.margin, recipe.amax_epsilon, scale, rounding, key)
     block = (16, 16) if recipe.weight_2d and operand == "weight" else None
-    axis = (-2, -1) if block else axis
+    axis = (-2, -1) if block else 0 if transposed else axis
     if key is None:
-        return quantize_blocks(x.astype(_F32), fmt, axis=axis, block=block, scale_rule=recipe.scale_rule)
-    return _blocks_keyed(x.astype(_F32), fmt, axis, block, recipe.scale_rule, rounding, key)
-
-
-def _blocks_keyed(x, fmt, axis, block, rule, rounding, key):
-    """``quantize_blocks`` with a traced stream key in place of the seed (``jax/quantize.py``'s kernel)."""
-    bf, mode, _, rule = _core_blocks.arguments(fmt, rule, rounding, 0)
+        rounding, key = "nearest", _key(0)
+    bf, mode, _, rule = _core_blocks.arguments(fmt, recipe.scale_rule, rounding, 0)
     shape = _core_blocks._block_shape(bf, block)
     axes = _core_blocks._axes(axis, x.ndim, len(shape))
-    mx = bf.scale.name == "e8m0fnu"
-    elem = _Grid.of(bf.element, True).arrays()
-    code = np.int32(_core_blocks.SCALE_RULES.index(rule) if mx else 0)
-    args = (x, key, elem, code)
-    kwargs = {"bf": None if mx else bf, "axes": axes, "shape": shape, "mode": mode}
-    if not mx and mode == _MODE["stochastic"] and not jax.config.jax_enable_x64:
-        with jax.enable_x64(True):  # NVFP4's stochastic rounding needs uint64 (jax/quantize.py)
-            return _blocks_values(*args, **kwargs)
-    return _blocks_values(*args, **kwargs)
+    return blocks_keyed(x.astype(_F32), key, bf, axes, shape, rule, mode, (1, 0) if transposed else None)
 
 
 def hadamard_tiles(x, axis: int = -1):
     """``polyamp.numerics.hadamard_tiles`` as JAX ops: ``x`` (float32) zero padded along ``axis`` to a
     multiple of 16, each tile times ``SIGNS``, the four butterfly stages ``h = 1, 2, 4, 8`` in float32,
-    then ``* 0.25``; the same elementwise float32 operations in the same order, so the same bits."""
-    v = jnp.moveaxis(x.astype(_F32), axis, -1)
-    n = v.shape[-1]
-    v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, -n % _hadamard.TILE)])
-    lead = v.shape[:-1]
-    t = v.reshape(*lead, -1, _hadamard.TILE) * _hadamard.SIGNS
+    then ``* 0.25``; the same elementwise float32 operations in the same order, so the same bits. The
+    tiles are split in place (no axis moves: a transposed copy of a large operand costs more than the
+    butterfly)."""
+    v = x.astype(_F32)
+    axis = axis % v.ndim
+    n, lead, rest = v.shape[axis], v.shape[:axis], v.shape[axis + 1 :]
+    v = jnp.pad(v, [(0, 0)] * axis + [(0, -n % _hadamard.TILE)] + [(0, 0)] * len(rest))
+    tiles = v.shape[axis] // _hadamard.TILE
+    t = v.reshape(*lead, tiles, _hadamard.TILE, *rest) * _hadamard.SIGNS.reshape(-1, *[1] * len(rest))
     for h in _hadamard.STAGES:
-        pairs = t.reshape(*lead, -1, _hadamard.TILE // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        t = jnp.stack([a + b, a - b], axis=-2)
-    return jnp.moveaxis((t * np.float32(0.25)).reshape(v.shape), -1, axis)
+        pairs = t.reshape(*lead, tiles, _hadamard.TILE // (2 * h), 2, h, *rest)
+        a, b = (lax.index_in_dim(pairs, i, axis + 2, keepdims=False) for i in (0, 1))
+        t = jnp.stack([a + b, a - b], axis=axis + 2)
+    return (t * np.float32(0.25)).reshape(v.shape)
 
 
 def eligible(eqn) -> bool:
@@ -202,7 +199,7 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
         kx, kw = keys(calls, False, 2)
         xq = quantize(x, recipe, "input", -1, sx if delayed else None, kx) if fq else x
         # torch's layout: its weight is w^T [N, K], blocked along K (its elements index a random stream)
-        wq = quantize(w.T, recipe, "weight", -1, sw if delayed else None, kw).T if fq else w
+        wq = quantize(w, recipe, "weight", -1, sw if delayed else None, kw, transposed=True) if fq else w
         amaxes = (_amax(x.astype(_F32)), _amax(w.astype(_F32))) if delayed else ()
         return matmul(xq, wq).astype(output), (x, w, xq, wq, sg, calls, amaxes)
 
@@ -229,9 +226,13 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
         dx = matmul(gq, w_op.T).reshape(x.shape).astype(x.dtype)
         x_op, g_op = x2, g2
         if wq_:  # the operands g^T and x^T of dW = (g^T x)^T, blocked along M (Hadamard tiles first)
-            gt, xt = (hadamard_tiles(g2.T), hadamard_tiles(x2.T)) if recipe.hadamard else (g2.T, x2.T)
-            g_op = quantize(gt, recipe, "grad", -1, None, next(ks)).T if block else once
-            x_op = quantize(xt, recipe, "input", -1, None, next(ks)).T if block else xq.reshape(-1, k)
+            gm, xm = (hadamard_tiles(g2, 0), hadamard_tiles(x2, 0)) if recipe.hadamard else (g2, x2)
+            g_op = quantize(gm, recipe, "grad", 0, None, next(ks), transposed=True) if block else once
+            x_op = (
+                quantize(xm, recipe, "input", 0, None, next(ks), transposed=True)
+                if block
+                else xq.reshape(-1, k)
+            )
         dw = matmul(x_op.T, g_op).astype(w.dtype)
         if run is None:
             return dx, dw

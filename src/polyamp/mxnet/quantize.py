@@ -40,7 +40,8 @@ import numpy as np
 from ..errors import PolyampError
 from ..numerics import blocks as _blocks
 from ..numerics.formats import FloatFormat, get_format
-from ..numerics.rounding import _MODE, _flag, _mix, _result_name, _rounding, _seed
+from ..numerics.rounding import _MODE, _mix, _result_name, _rounding, _seed
+from ..numerics.rounding import arguments as _arguments
 from .keep import dtype_name
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
@@ -73,13 +74,7 @@ def accepts(x) -> bool:
 
 def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: int | None = None):
     """``polyamp.quantize`` for an MXNet NDArray: same values, bits and dtype rule, on ``x``'s context."""
-    fmt = get_format(fmt)
-    mode = _rounding(rounding)
-    saturate = _flag(saturate, "saturate")
-    if mode == _MODE["stochastic"]:
-        seed = _seed(seed)
-    elif seed is not None:
-        _seed(seed)
+    fmt, mode, saturate, seed = _arguments(fmt, rounding, saturate, seed)
     v, name = _input(x, "quantize")
     out = _round(v, fmt, mode, saturate, seed or 0)
     return _output(out, _result_name(name, fmt), x)

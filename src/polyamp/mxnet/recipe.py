@@ -11,7 +11,9 @@ leaves in runs its FullyConnected as three quantized GEMMs (an ``mx.autograd.Fun
 
 ``Qf`` / ``Qb`` quantize-dequantize to the recipe's forward / backward format; ``Qf'`` / ``Qb'`` are the
 transposed tensors blocked along their last axis for block formats (the other GEMM axis), and the
-forward casts themselves for per-tensor scaling and NVFP4's 16x16 weight blocks. A GEMM the recipe
+forward casts themselves for per-tensor scaling and NVFP4's 16x16 weight blocks; with ``hadamard=True``
+``g^T`` and ``x^T`` are first multiplied by NVFP4's random Hadamard matrix in tiles of 16 along M
+(``hadamard.py``). A GEMM the recipe
 leaves unquantized takes its operands as they are. The products are FullyConnected on operands cast
 to the compute dtype: bfloat16 (MXNet's CPU FullyConnected computes in bf16 through oneDNN and returns
 bf16, as torch's bf16 matmul does) or float32; they call MXNet's own operator, which contrib.amp does
@@ -41,6 +43,7 @@ import warnings
 
 from ..errors import PolyampError, UnsupportedError
 from ..quantizer_state import QuantizerState
+from .hadamard import hadamard_tiles
 from .keep import _ORIGINAL_OPS, blocks, dtype_name
 from .quantize import amax, current_scale, quantize_blocks, quantize_tensorwise
 
@@ -140,6 +143,8 @@ class QuantizedDense(mx.autograd.Function):
         dx = _gemm(gq, w_op.T, compute)
         gt, xt = grad.T, x.T  # the wgrad GEMM dW = g^T x: operands g^T, x^T blocked along M
         if wanted[1]:
+            if r.hadamard:  # NVFP4's RHT: both operands times H in tiles of 16 along M, then quantized
+                gt, xt = hadamard_tiles(gt), hadamard_tiles(xt)
             gt = q(gt, layer, "grad", axis=-1) if block else once.T
             xt = q(xt, layer, "input", axis=-1) if block else xq.T
         dw = _gemm(gt, xt, compute)

@@ -98,3 +98,56 @@ def uniform_grid(key, first, row_step, col_step, out):
         base = first + r * row_step
         for c in range(cols):
             out[r, c] = _uniform(key, base + c * col_step)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def stochastic_tiles(p, bf16, den, scale, tile_r, tile_c, key, first, row_step, col_step,
+                     mbits, emin_b, emaxp1_b, maxval, out):  # fmt: skip
+    """NVFP4-style block elements with stochastic rounding, one pass (torch's ``_nvfp4_plane``): for each
+    ``p[r, c]`` (float32, or bfloat16 bit patterns as int16 when ``bf16``) in tile ``(r // tile_r,
+    c // tile_c)``, ``t = p / den[tile]`` in float64, rounded onto the element grid (``mbits``, biased
+    exponent range ``[emin_b, emaxp1_b]``) up with probability of its remainder, the stream's uniform of
+    flat index ``first + r * row_step + c * col_step`` against it, clamped to ``maxval``, signed as ``t``,
+    times ``scale[tile]`` (NaN there: the result is NaN) and rounded to float32 into ``out``."""
+    rows, cols = out.shape
+    for r in nb.prange(rows):
+        base = first + r * row_step
+        tr = r // tile_r
+        if tile_c == 1:  # blocks down the columns: each element its own column's block
+            for c in range(cols):
+                v = np.float64(_float32_of_bf16(p[r, c])) if bf16 else np.float64(p[r, c])
+                u = _uniform(key, base + c * col_step)
+                out[r, c] = _stochastic_element(
+                    v, den[tr, c], scale[tr, c], u, mbits, emin_b, emaxp1_b, maxval
+                )
+            continue
+        for tc in range(cols // tile_c):
+            d, s = den[tr, tc], scale[tr, tc]
+            for c in range(tc * tile_c, (tc + 1) * tile_c):
+                v = np.float64(_float32_of_bf16(p[r, c])) if bf16 else np.float64(p[r, c])
+                u = _uniform(key, base + c * col_step)
+                out[r, c] = _stochastic_element(v, d, s, u, mbits, emin_b, emaxp1_b, maxval)
+
+
+@nb.njit(inline="always")
+def _stochastic_element(v, d, s, u, mbits, emin_b, emaxp1_b, maxval):
+    """``stochastic_tiles``' value of one element ``v`` of a block with divisor ``d`` and scale ``s``."""
+    t = v / d
+    a = abs(t)
+    e = min(max(_bits(a) >> _S52, np.uint64(emin_b)), np.uint64(emaxp1_b))
+    w = a * _float((np.uint64(2046 + mbits) - e) << _S52)  # a / spacing, exact
+    f = np.floor(w)
+    q = min((f + (1.0 if u < w - f else 0.0)) * _float((e - np.uint64(mbits)) << _S52), maxval)
+    return np.float32(np.copysign(q, t) * s) if s == s else np.float32(np.nan)
+
+
+@intrinsic
+def _float32(typingctx, u):
+    """uint32 bit pattern -> float32."""
+    return types.float32(types.uint32), lambda ctx, b, sig, args: b.bitcast(args[0], ir.FloatType())
+
+
+@nb.njit(inline="always")
+def _float32_of_bf16(h):
+    """A bfloat16 given as its int16 bit pattern -> float32 (exact)."""
+    return _float32(np.uint32(np.uint16(h)) << np.uint32(16))

@@ -76,16 +76,23 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
     front = _framework_tensor(x)
     if front is not None:
         return front.quantize(x, fmt, rounding, saturate, seed)
+    fmt, mode, saturate, seed = arguments(fmt, rounding, saturate, seed)
+    out = _quantize_array(_as_float_array(x), fmt, mode, saturate, seed or 0)
+    return out[()] if out.ndim == 0 else out
+
+
+def arguments(fmt, rounding, saturate, seed) -> tuple[FloatFormat, int, bool, int | None]:
+    """``quantize``'s arguments checked (``PolyampError`` naming each bad one), for the core and every
+    front end: the format, the rounding mode's code, the flag, and the seed (drawn when stochastic
+    rounding gets None; validated even when unused, so a typo is not silently ignored)."""
     fmt = get_format(fmt)
     mode = _rounding(rounding)
     saturate = _flag(saturate, "saturate")
-    arr = _as_float_array(x)
     if mode == _MODE["stochastic"]:
         seed = _seed(seed)
     elif seed is not None:
-        _seed(seed)  # validated even when unused, so a typo is not silently ignored
-    out = _quantize_array(arr, fmt, mode, saturate, seed or 0)
-    return out[()] if out.ndim == 0 else out
+        _seed(seed)
+    return fmt, mode, saturate, seed
 
 
 _FRONT_ENDS = ("torch", "tensorflow", "jax", "mxnet")  # front ends with a ``quantize`` module (framework ops)
@@ -229,6 +236,16 @@ def uniform_grid_kernel():
     from ._kernel import uniform_grid
 
     return uniform_grid
+
+
+def stochastic_tiles_kernel():
+    """The compiled single pass of NVFP4's stochastically rounded elements over a 2-D plane of tiles
+    (``_kernel.stochastic_tiles``), or None as for ``_kernel``: torch's NVFP4 on the CPU takes it."""
+    if _kernel() is None:
+        return None
+    from ._kernel import stochastic_tiles
+
+    return stochastic_tiles
 
 
 def backend() -> str:

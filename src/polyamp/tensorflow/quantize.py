@@ -36,8 +36,11 @@ import tensorflow as tf
 
 from ..errors import PolyampError
 from ..numerics import blocks as _blocks
-from ..numerics.formats import FORMATS, FloatFormat, get_format
-from ..numerics.rounding import _MODE, _flag, _mix, _result_name, _rounding, _seed
+from ..numerics.formats import FORMATS, FloatFormat
+from ..numerics.grid import FLOAT64 as _FLOAT64
+from ..numerics.grid import Grid as _Grid
+from ..numerics.rounding import _MODE, _mix, _result_name
+from ..numerics.rounding import arguments as _arguments
 
 # float dtype -> (exponent bits, mantissa bits, unsigned dtype of its width)
 _LAYOUT = {tf.float16: (5, 10, tf.uint16), tf.bfloat16: (8, 7, tf.uint16),
@@ -55,13 +58,7 @@ def accepts(x) -> bool:
 
 def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: int | None = None):
     """``polyamp.quantize`` for a TF tensor: same values, bits and dtype rule, as TF ops."""
-    fmt = get_format(fmt)
-    mode = _rounding(rounding)
-    saturate = _flag(saturate, "saturate")
-    if mode == _STOCHASTIC:
-        seed = _seed(seed)
-    elif seed is not None:
-        _seed(seed)
+    fmt, mode, saturate, seed = _arguments(fmt, rounding, saturate, seed)
     x = _input(x, "quantize")
     return quantize_keyed(x, fmt, mode, saturate, key_of(seed or 0))
 
@@ -158,31 +155,6 @@ class _Num(NamedTuple):
     exp: tf.Tensor
     nan: tf.Tensor
     inf: tf.Tensor
-
-
-class _Grid(NamedTuple):
-    """What ``_round`` needs of a format: mantissa bits, exponent range, max as ``fm * 2^(emax - m)``,
-    the overflow value (max if ``ovf_max``, else NaN if ``ovf_nan``, else inf), sign / zero rules."""
-
-    mbits: int
-    emin: int
-    emax: int
-    fm: int
-    ovf_max: bool
-    ovf_nan: bool
-    pos_zero: bool
-    signed: bool
-    subnormals: bool
-
-    @classmethod
-    def of(cls, fmt: FloatFormat, saturate: bool) -> _Grid:
-        ovf_max = saturate or fmt.saturates_always
-        fm = int(fmt.max * 2.0 ** (fmt.mbits - fmt.emax))
-        return cls(fmt.mbits, fmt.emin, fmt.emax, fm, ovf_max, not ovf_max and not fmt.has_inf,
-                   not fmt.has_negative_zero, fmt.signed, fmt.subnormals)  # fmt: skip
-
-
-_FLOAT64 = _Grid(52, -1022, 1023, (1 << 53) - 1, False, False, False, True, True)
 
 
 def _c(v, dtype=_U) -> tf.Tensor:

@@ -7,7 +7,7 @@ as ``polyamp/torch/recipe.py`` describes, in a ``tf.custom_gradient``; bias and 
 
     forward        y  = Qf(x) @ Qf(W)           blocks along K (x's last axis, W's first)
     input grad     dx = Qb(g) @ Qf'(W)^T        blocks along N (g's last axis, W's last)
-    weight grad    dW = Qf'(x)^T @ Qb'(g)       blocks along the rows M of x and g
+    weight grad    dW = Qf'(x)^T @ Qb'(g)       blocks along the rows M of x and g (Hadamard first)
 
 ``W`` is the float32 kernel (read outside Keras's autocast), ``x`` the layer's input in its compute
 dtype; products run in the recipe's compute dtype (bf16 or fp32), outputs and ``dx`` in ``x``'s dtype,
@@ -44,6 +44,7 @@ from ..numerics import BLOCK_FORMATS, FORMATS, get_format
 from ..numerics import blocks as _blocks
 from ..numerics.rounding import _MODE
 from ..recipes import DelayedScaling, Recipe
+from .hadamard import hadamard_tiles
 from .keep import named_layers
 from .quantize import _U, _divide, _Grid, _Num, _round, _Stream, blocks_keyed, compose, graph_call, key_of
 from .quantize import _decompose as decompose
@@ -268,9 +269,10 @@ def linear(quantizer: Quantizer, layer: str, compute):
                 w_op = q(w, "weight", 1) if block and not r.weight_2d else wq
             dx = tf.cast(tf.reshape(matmul(gq, w_op, transpose_b=True), tf.shape(x)), x.dtype)
             x_op, g_op = x2, g2
-            if wq_:
-                x_op = q(x2, "input", 0) if block else xq
-                g_op = q(g2, "grad", 0) if block else once
+            if wq_:  # NVFP4's Hadamard transform first (tiles of 16 along M), then blocks along M
+                x_w, g_w = (hadamard_tiles(x2, 0), hadamard_tiles(g2, 0)) if r.hadamard else (x2, g2)
+                x_op = q(x_w, "input", 0) if block else xq
+                g_op = q(g_w, "grad", 0) if block else once
             return dx, tf.cast(matmul(x_op, g_op, transpose_a=True), w.dtype)
 
         return tf.cast(y, x.dtype), grad

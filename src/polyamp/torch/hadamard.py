@@ -10,7 +10,6 @@ multiply-add in eager mode, subnormals kept), so the bits agree (``tests/test_to
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import PolyampError
 from ..numerics.hadamard import SIGNS, STAGES, TILE
@@ -32,17 +31,22 @@ def hadamard_tiles(x: torch.Tensor, axis: int = -1) -> torch.Tensor:
     if not (integer and -ndim <= axis < ndim):
         raise PolyampError(f"axis {axis!r} is not an axis of a {ndim}-d tensor; accepted: integers in "
                            f"[{-ndim}, {ndim})")  # fmt: skip
-    v = x.detach().float().movedim(axis, -1)
-    n = v.shape[-1]
-    v = F.pad(v, (0, -n % TILE))
-    lead = v.shape[:-1]
-    tiles = v.shape[-1] // TILE
-    signs = _SIGNS.get(v.device)
+    axis %= ndim
+    n, lead, rest = x.shape[axis], x.shape[:axis], x.shape[axis + 1 :]
+    tiles = -(-n // TILE)
+    signs = _SIGNS.get(x.device)
     if signs is None:
-        signs = _SIGNS[v.device] = torch.from_numpy(SIGNS.copy()).to(v.device)
-    t = v.reshape(*lead, tiles, TILE) * signs
+        signs = _SIGNS[x.device] = torch.from_numpy(SIGNS.copy()).to(x.device)
+    # tiles split in place along ``axis`` (no transposed copy), the stages ping-ponging between two buffers
+    t = torch.zeros(*lead, tiles * TILE, *rest, dtype=torch.float32, device=x.device)
+    t.narrow(axis, 0, n).copy_(x.detach())
+    t = t.view(*lead, tiles, TILE, *rest).mul_(signs.view(TILE, *[1] * len(rest)))
+    u = torch.empty_like(t)
     for h in STAGES:
-        pairs = t.reshape(*lead, tiles, TILE // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        t = torch.stack([a + b, a - b], dim=-2)
-    return (t * 0.25).reshape(*lead, tiles * TILE).movedim(-1, axis)
+        pairs = (*lead, tiles, TILE // (2 * h), 2, h, *rest)
+        a, b = t.view(pairs).unbind(axis + 2)
+        s, d = u.view(pairs).unbind(axis + 2)
+        torch.add(a, b, out=s)
+        torch.sub(a, b, out=d)
+        t, u = u, t
+    return t.mul_(0.25).view(*lead, tiles * TILE, *rest)

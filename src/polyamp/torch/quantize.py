@@ -47,8 +47,9 @@ import torch.nn.functional as F
 
 from ..errors import PolyampError
 from ..numerics import blocks as _blocks
-from ..numerics.formats import FloatFormat, get_format
-from ..numerics.rounding import _MODE, _flag, _mix, _result_name, _rounding, _seed, uniform_grid_kernel
+from ..numerics.formats import FloatFormat
+from ..numerics.rounding import _MODE, _mix, _result_name, stochastic_tiles_kernel, uniform_grid_kernel
+from ..numerics.rounding import arguments as _arguments
 
 # by name: torch.compile (2.11) cannot trace a dict keyed by numpy dtypes
 _NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -68,13 +69,7 @@ def accepts(x) -> bool:
 def quantize(x: torch.Tensor, fmt, rounding: str = "nearest", saturate: bool = False,
              seed: int | None = None) -> torch.Tensor:  # fmt: skip
     """``polyamp.quantize`` for a torch tensor: same values, bits and dtype rule, on ``x``'s device."""
-    fmt = get_format(fmt)
-    mode = _rounding(rounding)
-    saturate = _flag(saturate, "saturate")
-    if mode == _MODE["stochastic"]:
-        seed = _seed(seed)
-    elif seed is not None:
-        _seed(seed)
+    fmt, mode, saturate, seed = _arguments(fmt, rounding, saturate, seed)
     x = _input(x, "quantize")
     out = _round(x.to(torch.float64), fmt, mode, saturate, seed or 0)
     return out.to(_TORCH[_result_name(_NAMES[x.dtype], fmt)])
@@ -250,7 +245,8 @@ def _nvfp4_plane(p: torch.Tensor, tile, transposed: bool, shape, bf, mode: int, 
     stochastic follows ``_round_flat`` with the stream indexed by position in ``x``. A block whose
     ``s_block`` is 0 divides by 1 and is multiplied by 0 (``+-0`` with x's sign, as the core's); a NaN / inf
     block by NaN. ``element * (s_block * g)`` is exact in float64 (3 + 4 + 24 bits), rounded once to
-    float32 by the output's dtype."""
+    float32 by the output's dtype. On the CPU, stochastic rounding of float32 / bfloat16 runs these
+    steps as one compiled pass (``_kernel.stochastic_tiles``, numba), the same arithmetic per element."""
     amax = _tile_amax(p, tile)
     bad = ~torch.isfinite(amax)
     amax = torch.where(bad, 0.0, amax)
@@ -263,6 +259,14 @@ def _nvfp4_plane(p: torch.Tensor, tile, transposed: bool, shape, bf, mode: int, 
     scale, den = torch.where(bad, torch.nan, den), torch.where(den == 0, 1.0, den)
     out, result = _plane_out(p, transposed, shape)
     elem, stochastic = bf.element, mode == _MODE["stochastic"]
+    compiled = stochastic_tiles_kernel() if stochastic and p.device.type == "cpu" else None
+    if compiled is not None and p.dtype in (torch.float32, torch.bfloat16):
+        row_step, col_step = (1, p.shape[0]) if transposed else (p.shape[1], 1)
+        bf16 = p.dtype == torch.bfloat16
+        compiled(p.view(torch.int16).numpy() if bf16 else p.numpy(), bf16, den.numpy(), scale.numpy(),
+                 tile[0], tile[1], np.uint64(_mix(seed)), 0, row_step, col_step, elem.mbits,
+                 elem.emin + 1023, elem.emax + 1024, float(elem.max), out.numpy())  # fmt: skip
+        return result
     key = _mix(seed) - _U64 * (_mix(seed) >> 63)  # the stream's key as int64
     for area, tiles, bufs in _passes(p, tile, 6 if stochastic else 3):
         q = _tiles(bufs[0].copy_(p[area]), tile).div_(_spread(den, tiles))

@@ -140,7 +140,8 @@ class _QuantizedLinear(torch.autograd.Function):
             gt, xt = g2.t(), x2.t()  # the wgrad GEMM dW = g^T x: operands g^T, x^T blocked along M
             if wanted[1]:
                 if r.hadamard:  # NVFP4's RHT: both operands times H in tiles of 16 along M, then quantized
-                    gt, xt = hadamard_tiles(gt), hadamard_tiles(xt)
+                    # (tiles split along g's and x's rows: contiguous results, whose .t() quantizes in place)
+                    gt, xt = hadamard_tiles(g2, 0).t(), hadamard_tiles(x2, 0).t()
                 gt = quantizer(gt, layer, "grad", axis=-1) if block else once.t()
                 xt = quantizer(xt, layer, "input", axis=-1) if block else xq.reshape(-1, x.shape[-1]).t()
             dw = (gt.to(compute) @ xt.to(compute).t()).to(w_dtype)
