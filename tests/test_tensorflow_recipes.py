@@ -184,17 +184,17 @@ def test_the_keep_list_keeps_first_and_last_dense_and_patterns():
     model = mlp(mp)
     mp.watch(model)
     assert mp._dense.kept == ["fc0", "fc3"] and [n for n, _ in mp._dense.quantized] == ["fc1", "fc2"]
-    assert tr.DenseLayers(model, ("fc[12]",)).kept == ["fc1", "fc2"]
-    assert tr.DenseLayers(model, ()).kept == []
+    assert tr.MatmulLayers(model, ("fc[12]",)).kept == ["fc1", "fc2"]
+    assert tr.MatmulLayers(model, ()).kept == []
     a, b = keras.layers.Dense(8, name="a"), keras.layers.Dense(8, name="b")
     inner = keras.Sequential([keras.Input((16,)), a, b], name="block")
     outer = keras.Sequential([keras.Input((16,)), inner, keras.layers.Dense(4, name="head")])
-    assert tr.DenseLayers(outer, ("block",)).kept == ["block/a", "block/b"]
-    assert tr.DenseLayers(outer, ("first",)).kept == ["block/a"]
+    assert tr.MatmulLayers(outer, ("block",)).kept == ["block/a", "block/b"]
+    assert tr.MatmulLayers(outer, ("first",)).kept == ["block/a"]
     with pytest.raises(
         PolyampError, match="keep entry 'attn\\*' matches no layer of the model; its layers: fc0"
     ):
-        tr.DenseLayers(model, ("attn*",))
+        tr.MatmulLayers(model, ("attn*",))
     # with both layers kept, a two-layer model computes exactly as bf16-mixed
     x = batch(0)[0]
     outs = []
@@ -244,14 +244,30 @@ def test_the_gemms_and_their_state_are_the_same_eagerly_in_tf_function_and_xla(s
     assert all(np.allclose(a, b, rtol=1e-2, atol=1e-3) for a, b in zip(xla, eager)) and xla_state == state
 
 
-def test_fit_trains_with_the_recipe():
-    mp = pa.MixedPrecision("mxfp8:keep=", framework="tensorflow")
+@pytest.mark.parametrize("spec", ["mxfp8:keep=", "nvfp4:keep=:hadamard=true"])
+def test_fit_trains_with_the_recipe(spec):
+    mp = pa.MixedPrecision(spec, framework="tensorflow")
     model = mlp(mp)
     mp.watch(model)
     model.compile(optimizer=mp.optimizer(keras.optimizers.Adam(1e-2)), loss="mse")
     x, y = batch(0)
-    history = model.fit(x, y, epochs=5, batch_size=16, verbose=0)  # the fifth epoch's loss: ~0.1 of the first
+    # 64 = 2 x 24 + 16: fit traces the step with an open batch dimension, blocked along in the backward
+    history = model.fit(x, y, epochs=5, batch_size=24, verbose=0)  # the fifth epoch's loss: ~0.1 of the first
     assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+
+
+@pytest.mark.parametrize("spec", ["mxfp8", "nvfp4", "fp8-tensorwise:grad_rounding=stochastic"])
+def test_operands_with_an_open_dimension_are_quantized_as_the_core_does(spec):
+    """A step traced with a batch dimension known only when it runs (``model.fit``'s partial last
+    batch) quantizes as a static shape does: blocks along it and across it, stochastic rounding."""
+    r = recipes.parse_recipe(spec)
+    x = wide((37, 40), 6)
+    for axis in (0, -1):
+        q = tr.Quantizer(r)
+        fn = tf.function(lambda t: q(t, "layer", "grad", axis), input_signature=[tf.TensorSpec([None, 40])])
+        got = fn(tf.constant(x))
+        seed = int(q.calls.numpy()) if r.grad_rounding == "stochastic" else None
+        assert same(got, core(x, r, "grad", axis, seed, None)), axis
 
 
 @pytest.mark.parametrize("spec", ["fp8-delayed:history_len=4:keep=", "nvfp4:keep="])

@@ -17,6 +17,21 @@ The scale rules, with ``Fmax`` the element format's largest finite value:
 - :class:`DelayedScaling`: the same with ``amax`` the max (or the latest) of an amax history.
 - :func:`quantize_tensorwise`: ``quantize(fp32(x * scale), fmt, saturate=True) / scale``.
 
+Convolutions run as the implicit GEMMs they are (``K`` = input channels per group times kernel
+positions), each operand blocked along a dimension its GEMM sums over, the layout of microxcaling's
+``mx/convolution.py``::
+
+    forward      y  = conv(Qf(x), Qf(W))              x along its channels, W along its input channels
+    input grad   dx = conv_input(Qb(g), Qf'(W))       g along its channels, W along its output channels
+    weight grad  dW = conv_weight(Qf'(x), Qb'(g))     x and g along the batch axis
+
+Per-tensor formats quantize each operand once, as for a linear layer. NVFP4's 16x16 weight blocks tile
+(output, input) channels at each kernel position and serve both GEMMs. Its Hadamard transform
+multiplies ``x`` and ``g`` in tiles of 16 along the batch axis (zero padded): ``dW = sum_n
+conv_weight(x_n, g_n)`` and ``H^T H = I``, so only the quantization error changes. A block-format
+operand is quantized with its blocked axis moved last; stochastic rounding indexes that tensor's
+elements. The keep list's ``first`` / ``last`` count convolution layers as matmul layers.
+
 Sources (read in the code search corpus): TransformerEngine
 ``transformer_engine/common/recipe/__init__.py`` (recipe fields and defaults),
 ``transformer_engine/common/recipe/recipe_common.cuh::compute_scale_from_amax`` (current scaling),

@@ -199,7 +199,8 @@ class Interpreter:
         self.output = jnp.dtype(output)
         self.rules = rules
         self.keep_fp32 = tuple(keep_fp32)
-        self.recipe, self.recipe_kept = recipe, set()  # dense matmuls quantized but in these scopes
+        # dense matmuls and convolutions quantized but in these scopes
+        self.recipe, self.recipe_kept = recipe, set()
         self.leaves: dict[int, str] = {}  # id of an argument leaf's value -> its name, during one call
         self.read_outside: dict[str, None] = {}  # the names of those that equations outside any scope read
         self.nested: list[str] = []  # the loops, checkpoints, ... being evaluated (for recipe.quantized)

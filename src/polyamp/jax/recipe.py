@@ -1,4 +1,5 @@
-"""Emulated low-precision training in JAX: ``polyamp.recipes`` on the dense matmuls of an autocast function.
+"""Emulated low-precision training in JAX: ``polyamp.recipes`` on the dense matmuls and convolutions of
+an autocast function.
 
 ``mp.autocast(fn)`` of a ``MixedPrecision`` made from a recipe runs ``fn`` through the autocast
 interpreter (``autocast.py``), which hands each dense matmul ``x @ w`` — a ``dot_general`` contracting
@@ -18,9 +19,11 @@ along their axis 0 in place, indexed as their transposes (``quantize(..., transp
 tiles of 16 along ``M`` (:func:`hadamard_tiles`, ``polyamp/numerics/hadamard.py``'s
 float32 butterfly; ``M`` zero padded to a multiple of 16).
 
-Batched matmuls (attention's scores and values) and convolutions run as the bf16 policy does. A
-layer is its ``jax.named_scope`` path; the keep list's ``first`` / ``last`` are the scope paths of the
-first and last dense matmul in trace order, other entries ``fnmatch`` patterns over the paths.
+Convolutions (``conv_general_dilated`` without batch groups) run as the implicit GEMMs they are, by
+``recipe_conv.py``'s :func:`~polyamp.jax.recipe_conv.conv`; batched matmuls (attention's scores and
+values) run as the bf16 policy does. A layer is its ``jax.named_scope`` path; the keep list's ``first``
+/ ``last`` are the scope paths of the first and last quantizable layer, dense matmul or convolution, in
+trace order, other entries ``fnmatch`` patterns over the paths.
 
 Quantization is JAX ops, bit-identical to the numpy core (``tests/test_jax_recipes.py``): per-tensor
 scales are TE's float32 quotient ``Fmax / amax`` (``recipes.current_scale``; the quotient of two
@@ -130,38 +133,50 @@ def hadamard_tiles(x, axis: int = -1):
 
 
 def eligible(eqn) -> bool:
-    """A dense matmul (module docstring) of floating operands narrower than float64."""
-    if eqn.primitive.name != "dot_general":
+    """A dense matmul (module docstring) or a convolution with ``batch_group_count == 1`` (any feature
+    groups), of floating operands narrower than float64."""
+    name = eqn.primitive.name
+    if name not in ("dot_general", "conv_general_dilated"):
         return False
     lhs, rhs = (v.aval for v in eqn.invars)
-    (contract, batch) = eqn.params["dimension_numbers"]
     floating = all(jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != jnp.float64 for a in (lhs, rhs))
+    if name == "conv_general_dilated":
+        return floating and eqn.params["batch_group_count"] == 1
+    (contract, batch) = eqn.params["dimension_numbers"]
     dense = tuple(map(tuple, contract)) == ((lhs.ndim - 1,), (0,)) and tuple(map(tuple, batch)) == ((), ())
     return floating and dense and rhs.ndim == 2 and lhs.ndim >= 1
 
 
 def quantized(interpreter, eqn, invals, scope) -> list | None:
     """The outputs of ``eqn`` run as the interpreter's recipe says, or None where it leaves ``eqn`` to the
-    policy: no recipe, not a dense matmul, a kept scope, or a transpose a custom VJP traces (no scope)."""
+    policy: no recipe, not a dense matmul or convolution, a kept scope, or a transpose a custom VJP
+    traces (no scope)."""
     r = interpreter.recipe
     if r is None or scope is None or not eligible(eqn) or "/".join(scope) in interpreter.recipe_kept:
         return None
+    gemms = dot
+    if eqn.primitive.name == "conv_general_dilated":
+        from .recipe_conv import conv  # it builds on this module
+
+        def gemms(*args, **kwargs):
+            return conv(*args[:4], eqn.params, *args[4:], **kwargs)
+
     if not keeps_state(r):
-        return [dot(r, interpreter.compute, interpreter.output, _F32)(*invals)]
+        return [gemms(r, interpreter.compute, interpreter.output, _F32)(*invals)]
     path = "/".join(scope)
     run = active()
     if run is None:  # evaluation: the forward without state, no gradient
-        fn = dot(without_state(r), interpreter.compute, interpreter.output, _F32, trainable=False)
+        fn = gemms(without_state(r), interpreter.compute, interpreter.output, _F32, trainable=False)
         return [fn(*invals)]
     if interpreter.nested:
         raise PolyampError(
-            f"the {r.name!r} recipe keeps state, which polyamp threads only through dense matmuls outside "
-            f"loops, conditionals, checkpoints and custom derivatives; scope {path!r} is inside a "
-            f"{interpreter.nested[-1]}: keep it (keep=...) or use a recipe without state"
+            f"the {r.name!r} recipe keeps state, which polyamp threads only through dense matmuls and "
+            "convolutions outside loops, conditionals, checkpoints and custom derivatives; scope "
+            f"{path!r} is inside a {interpreter.nested[-1]}: keep it (keep=...) or use a recipe without state"
         )
     j, layer = run.matmul(path)
     scales = [run.scale(layer, op) for op in OPERANDS]
-    return [dot(r, interpreter.compute, interpreter.output, _F32, run, j)(*invals, *scales, run.calls)]
+    return [gemms(r, interpreter.compute, interpreter.output, _F32, run, j)(*invals, *scales, run.calls)]
 
 
 def without_state(recipe: Recipe) -> Recipe:
@@ -205,12 +220,7 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
 
     def backward(res, g):
         if not trainable:
-            raise PolyampError(
-                f"the {recipe.name!r} recipe keeps state between steps (amax histories, a stochastic-"
-                "rounding counter): take its gradients with mp.value_and_grad(f)(..., state=state) (or "
-                "mp.grad), state = mp.init(), which threads that state through the step; outside it the "
-                "autocast function only evaluates (current scaling, nearest rounding)"
-            )
+            refuse_gradient(recipe)
         x, w, xq, wq, sg, calls, amaxes = res
         n, k = w.shape[1], w.shape[0]
         g2, x2 = g.reshape(-1, n), x.reshape(-1, k)
@@ -244,10 +254,20 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
     return fn
 
 
+def refuse_gradient(recipe: Recipe):
+    """The error of a stateful recipe's gradient taken outside ``mp.value_and_grad``'s step."""
+    raise PolyampError(
+        f"the {recipe.name!r} recipe keeps state between steps (amax histories, a stochastic-"
+        "rounding counter): take its gradients with mp.value_and_grad(f)(..., state=state) (or "
+        "mp.grad), state = mp.init(), which threads that state through the step; outside it the "
+        "autocast function only evaluates (current scaling, nearest rounding)"
+    )
+
+
 def kept_layers(jaxpr, keep: tuple[str, ...]) -> set[str]:
-    """The scope paths (joined by "/") whose dense matmuls the keep list keeps; PolyampError for a
-    pattern that matches none."""
-    paths = list(dict.fromkeys(_dense_paths(jaxpr, ())))
+    """The scope paths (joined by "/") whose dense matmuls and convolutions the keep list keeps;
+    PolyampError for a pattern that matches none."""
+    paths = list(dict.fromkeys(_layer_paths(jaxpr, ())))
     kept: set[str] = set()
     for entry in keep:
         if entry in ("first", "last"):
@@ -256,14 +276,16 @@ def kept_layers(jaxpr, keep: tuple[str, ...]) -> set[str]:
             continue
         found = [p for p in paths if fnmatch.fnmatchcase(p, entry)]
         if not found:
-            raise PolyampError(f"the recipe's keep entry {entry!r} matches no dense matmul's scope; "
-                               f"their scopes: {', '.join(map(repr, paths[:20])) or 'none'}")  # fmt: skip
+            scopes = ", ".join(map(repr, paths[:20])) or "none"
+            raise PolyampError(f"the recipe's keep entry {entry!r} matches no dense matmul's or "
+                               f"convolution's scope; their scopes: {scopes}")  # fmt: skip
         kept.update(found)
     return kept
 
 
-def _dense_paths(jaxpr, scope: tuple[str, ...]):
-    """The scope path of each dense matmul, in trace order, sub-jaxprs included."""
+def _layer_paths(jaxpr, scope: tuple[str, ...]):
+    """The scope path of each dense matmul and convolution (:func:`eligible`), in trace order,
+    sub-jaxprs included."""
     for eqn in jaxpr.eqns:
         path = scope + name_scopes(eqn)
         if eligible(eqn):
@@ -272,4 +294,4 @@ def _dense_paths(jaxpr, scope: tuple[str, ...]):
             for sub in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    yield from _dense_paths(inner, path)
+                    yield from _layer_paths(inner, path)

@@ -8,9 +8,10 @@ seed comes). :class:`RecipeState` holds both as arrays:
     delayed  {"layer|operand": {"scale": f32, "history": f32[history_len], "steps": int32}}
 
 ``layer`` is the matmul's ``jax.named_scope`` path (``path#1``, ``path#2`` for its second, third dense
-matmul); ``operand`` is ``input``, ``weight`` or ``grad``. One step (:class:`Run`, active while
-``mp.value_and_grad`` evaluates the autocast function) numbers the quantized matmuls ``j = 0 .. n-1`` in
-trace order and gives each quantize call the seed ``calls + position``, the positions torch's
+matmul or convolution); ``operand`` is ``input``, ``weight`` or ``grad``. One step (:class:`Run`, active
+while ``mp.value_and_grad`` evaluates the autocast function) numbers the quantized matmuls ``j = 0 ..
+n-1`` in trace order (a convolution is one: it makes a dense matmul's quantize calls in the same order,
+``recipe_conv.py``) and gives each quantize call the seed ``calls + position``, the positions torch's
 ``Quantizer`` counts for a stack of layers run forward in that order and backward in reverse: first
 ``input, weight`` of each matmul, then each matmul's backward calls, last matmul first (block recipes:
 ``grad`` along N, ``weight`` transposed unless 16x16, ``grad`` and ``input`` transposed; per-tensor
@@ -65,7 +66,8 @@ jax.tree_util.register_dataclass(RecipeState, data_fields=["calls", "delayed"], 
 
 
 def calls_per_matmul(recipe: Recipe) -> tuple[int, int]:
-    """Quantize calls of one matmul in the forward and in the backward pass (torch's ``Quantizer``)."""
+    """Quantize calls of one matmul (or convolution) in the forward and in the backward pass (torch's
+    ``Quantizer``)."""
     forward = 2 if recipe.quantize_forward else 0
     bq, wq = recipe.quantize_input_grad, recipe.quantize_weight_grad
     if recipe.kind == "block":

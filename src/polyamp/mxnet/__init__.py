@@ -18,8 +18,9 @@ its ``hybrid_forward`` with the operators contrib.amp replaced put back and its 
 float32, imperatively and hybridized alike (``keep.keep_float32``).
 
 With a recipe (``MixedPrecision("fp8-tensorwise", framework="mxnet")``, ``"mxfp8:scale_rule=floor"``,
-...), ``mp.watch(net)`` makes the ``nn.Dense`` layers outside the recipe's keep list run the recipe's
-quantized GEMMs (``recipe.py``; imperative Gluon); the rest computes as bf16-mixed.
+...), ``mp.watch(net)`` makes the ``nn.Dense`` and ``nn.Conv1D`` / ``Conv2D`` / ``Conv3D`` layers outside the
+recipe's keep list run the recipe's quantized GEMMs (``recipe.py``, ``recipe_conv.py``; imperative Gluon);
+the rest computes as bf16-mixed.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class MixedPrecision(EagerMixedPrecision):
 
     def watch(self, model: Any) -> Any:
         """``polyamp.MixedPrecision.watch``; with a recipe, also its quantized GEMMs in the net's Dense
-        layers (``recipe.watch``; the keep list is checked before anything is installed)."""
+        and Conv layers (``recipe.watch``; the keep list is checked before anything is installed)."""
         if self._quantizer is None:
             return super().watch(model)
         from .recipe import unwind, watch
@@ -137,7 +138,7 @@ class MixedPrecision(EagerMixedPrecision):
         check_trainer(trainer)
         if self._quantizer is not None and self._recipe_layers is None:
             raise PolyampError(
-                f"the {self.recipe.name!r} recipe quantizes the Dense layers of a watched net: call "
+                f"the {self.recipe.name!r} recipe quantizes the Dense and Conv layers of a watched net: call "
                 "mp.watch(net) once before training"
             )
         losses = list(loss) if isinstance(loss, (list, tuple)) else [loss]

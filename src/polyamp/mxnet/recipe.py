@@ -1,4 +1,5 @@
-"""Emulated low-precision training in MXNet Gluon: ``polyamp.recipes`` applied to ``nn.Dense``.
+"""Emulated low-precision training in MXNet Gluon: ``polyamp.recipes`` applied to ``nn.Dense`` (and, through
+``recipe_conv.py``, to ``nn.Conv1D`` / ``Conv2D`` / ``Conv3D``).
 
 After ``mp.watch(net)`` of a ``MixedPrecision`` made from a recipe (``"fp8-tensorwise"``,
 ``"fp8-delayed"``, ``"mxfp8"``, ``"nvfp4"``), each ``gluon.nn.Dense`` of the net that the keep list
@@ -198,18 +199,22 @@ class RecipeDense:
 
 
 def unwind(model) -> None:
-    """Put back every Dense forward of ``model`` that a recipe (of any MixedPrecision) replaced."""
+    """Put back every Dense and Conv forward of ``model`` that a recipe (of any MixedPrecision) replaced."""
     for _, block in blocks(model):
         previous = vars(block).get("hybrid_forward")
         if hasattr(previous, "recipe_of"):
             RecipeDense.restore(block, previous.recipe_of)
 
 
-def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> list[RecipeDense]:
-    """Quantize the ``nn.Dense`` blocks of ``model`` that the recipe's keep list leaves in: ``first`` /
-    ``last`` are the first and last Dense in depth-first order of child names, other entries ``fnmatch``
-    patterns over the block paths (``0``, ``body.1.dense``; a kept block keeps the blocks below it).
-    Dense blocks kept in float32 by ``keep_fp32`` are left as they are. ``dry_run``: only check."""
+def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> list:
+    """Quantize the ``nn.Dense`` and ``nn.Conv1D`` / ``Conv2D`` / ``Conv3D`` blocks of ``model`` that the
+    recipe's keep list leaves in: ``first`` / ``last`` are the first and last of them (Dense and Conv
+    counted together) in depth-first order of child names, other entries ``fnmatch`` patterns over the
+    block paths (``0``, ``body.1.dense``; a kept block keeps the blocks below it). Blocks kept in float32
+    by ``keep_fp32`` are left as they are. ``dry_run``: only check. Returns the RecipeDense / RecipeConv
+    handles."""
+    from .recipe_conv import RecipeConv, check_conv, is_conv  # it imports this module
+
     if not isinstance(model, gluon.Block):
         raise PolyampError(
             f"expected a mxnet.gluon.Block, got {type(model).__module__}.{type(model).__name__}"
@@ -218,16 +223,16 @@ def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> l
     active = [p for p, b in paths if isinstance(b, gluon.HybridBlock) and b._active]
     if active:
         raise UnsupportedError(
-            f"the {quantizer.recipe.name!r} recipe quantizes Dense layers imperatively, but the net is "
-            f"hybridized ({', '.join(active[:3])}): its cached graph cannot run an mx.autograd.Function. "
+            f"the {quantizer.recipe.name!r} recipe quantizes Dense and Conv layers imperatively, but the net "
+            f"is hybridized ({', '.join(active[:3])}): its cached graph cannot run an mx.autograd.Function. "
             "Call net.hybridize(active=False) before mp.watch(net)"
         )
-    denses = [(p, b) for p, b in paths if isinstance(b, gluon.nn.Dense)]
+    layers = [(p, b) for p, b in paths if isinstance(b, gluon.nn.Dense) or is_conv(b)]
     kept: set[str] = set()
     for entry in quantizer.recipe.keep:
         if entry in ("first", "last"):
-            if denses:
-                kept.add(denses[0][0] if entry == "first" else denses[-1][0])
+            if layers:
+                kept.add(layers[0][0] if entry == "first" else layers[-1][0])
             continue
         found = [p for p, _ in paths if fnmatch.fnmatchcase(p, entry)]
         if not found:
@@ -237,17 +242,20 @@ def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> l
     if dry_run:  # only the checks
         return []
     handles = []
-    for path, block in denses:
+    for path, block in layers:
         if any(path == k or path.startswith(k + ".") for k in kept):
             continue
         if getattr(vars(block).get("hybrid_forward"), "keeps", None) is not None:
             continue  # keep_fp32: float32
+        if is_conv(block):
+            check_conv(path, block)
         frozen = [p.name for p in block.collect_params().values() if p.grad_req == "null"]
         if frozen:
             raise UnsupportedError(
-                f"Dense {path!r} has parameters without gradients ({', '.join(frozen)}, grad_req='null'): "
+                f"{type(block).__name__} {path!r} has parameters without gradients ({', '.join(frozen)}, "
+                "grad_req='null'): "
                 "MXNet 1.9's autograd.Function, which runs the recipe's GEMMs, stops writing gradients at "
                 "the first input that takes none. Keep it out of the recipe (a keep pattern) or train it"
             )
-        handles.append(RecipeDense(path, block, quantizer, compute))
+        handles.append((RecipeConv if is_conv(block) else RecipeDense)(path, block, quantizer, compute))
     return handles

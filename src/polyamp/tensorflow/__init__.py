@@ -67,7 +67,7 @@ class MixedPrecision(_Base):
         self._names: dict[int, str] = {}
         self._variables: LossScaleVariables | None = None
         self._kept: list[str] = []  # the layers mp.watch set to float32 for keep_fp32
-        self._dense = None  # the recipe's DenseLayers, from mp.watch(model)
+        self._dense = None  # the recipe's MatmulLayers, from mp.watch(model)
         self._quantizer = None
         if self.recipe is not None:
             from .recipe import Quantizer
@@ -165,9 +165,9 @@ class MixedPrecision(_Base):
             raise PolyampError(f"expected a Keras model or layer, got {type(model).__name__}")
         dense = None
         if self._quantizer is not None:  # the keep list checked before anything is changed
-            from .recipe import DenseLayers
+            from .recipe import MatmulLayers
 
-            dense = DenseLayers(model, self.recipe.keep)
+            dense = MatmulLayers(model, self.recipe.keep)
         check_model_layers(model, self.policy)
         if self.keep_fp32 and self.policy.compute_dtype != "float32":
             self._kept += keep_float32(model, self.keep_fp32)

@@ -65,7 +65,7 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
 
 def quantize_keyed(x, fmt: FloatFormat, mode: int, saturate: bool, key):
     """``quantize`` with the stream's key (``key_of(seed)``, a uint64 scalar tensor) given."""
-    stream = _Stream(key, x.shape) if mode == _STOCHASTIC else None
+    stream = _Stream(key, x) if mode == _STOCHASTIC else None
     out = _round(_decompose(x), _Grid.of(fmt, saturate), mode, stream)
     return compose(out, tf.as_dtype(_result_name(x.dtype.name, fmt)))
 
@@ -107,18 +107,18 @@ def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = N
 def blocks_keyed(x, bf, axes, shape, rule, mode, key):
     """The values of ``quantize_blocks`` (arguments checked), as in ``blocks._Encoding.of``."""
     wide = x.dtype == tf.float64
-    stream = _Stream(key, x.shape) if mode == _STOCHASTIC else None
+    stream = _Stream(key, x) if mode == _STOCHASTIC else None
     num = _decompose(x)
     abs_bits = tf.cast(_bits(x), _U) & _c(_sign_mask(x.dtype) - 1)
     amax_bits = _block_amax(abs_bits, axes, shape)
     inf_bits = _c(_inf_bits(x.dtype))
     bad = amax_bits >= inf_bits  # a NaN or inf block: NaN values, elements computed from 0
     amax = _decompose_bits(tf.where(bad, _c(0), amax_bits), x.dtype)
-    num = _Num(num.neg, tf.where(_expand(bad, axes, shape, x.shape), _c(0), num.sig), num.exp,
+    num = _Num(num.neg, tf.where(_expand(bad, axes, shape, x), _c(0), num.sig), num.exp,
                tf.zeros_like(num.nan), tf.zeros_like(num.inf))  # fmt: skip
     elem = _Grid.of(bf.element, True)
     if bf.scale.name == "e8m0fnu":
-        kx = _expand(_mx_exponent(amax, elem, rule), axes, shape, x.shape)
+        kx = _expand(_mx_exponent(amax, elem, rule), axes, shape, x)
         e = _round(num._replace(exp=num.exp - kx), elem, mode, stream)
         value = e._replace(exp=e.exp + kx)
     else:
@@ -128,7 +128,7 @@ def blocks_keyed(x, bf, axes, shape, rule, mode, key):
         unit = _Num(g.neg, g.sig * 3, g.exp + 1, g.nan, g.inf)  # 6 * g, exact
         s = _round(_divide(amax, _broadcast(unit, tf.shape(amax.sig)), bf.scale.mbits + 5),
                    _Grid.of(bf.scale, True), _NEAREST, None)  # fmt: skip
-        sx = _Num(*(_expand(f, axes, shape, x.shape) for f in s))
+        sx = _Num(*(_expand(f, axes, shape, x) for f in s))
         den_sig = sx.sig * g.sig
         zero = tf.equal(den_sig, 0)  # s_block rounded to 0: the block holds +-0
         den = _Num(sx.neg, tf.where(zero, _c(1), den_sig), sx.exp + g.exp, sx.nan, sx.inf)
@@ -141,7 +141,7 @@ def blocks_keyed(x, bf, axes, shape, rule, mode, key):
         value = _Num(e.neg, e.sig * sx.sig * g.sig, e.exp + sx.exp + g.exp, e.nan, e.inf)
         if not wide:  # the core's float64 product is exact; its cast to float32 rounds once
             value = _round(value, _Grid.of(FORMATS["fp32"], False), _NEAREST, None)
-    bad_x = _expand(bad, axes, shape, x.shape)
+    bad_x = _expand(bad, axes, shape, x)
     value = _Num(value.neg & ~bad_x, value.sig, value.exp, value.nan | bad_x, value.inf & ~bad_x)
     return compose(value, tf.float64 if wide else tf.float32)
 
@@ -300,9 +300,14 @@ class _Stream:
     """The core's uniform stream ``_uniform53``: splitmix64 of ``key + (i + 1) * golden`` for the flat
     index ``i`` (uint64, wrapping); ``u = z53 / 2^53`` with ``z53 = z >> 11``."""
 
-    def __init__(self, key, shape) -> None:
-        n = int(np.prod(shape.as_list(), dtype=np.int64))
-        i = tf.reshape(tf.cast(tf.range(1, n + 1, dtype=tf.int64), _U), shape.as_list())
+    def __init__(self, key, x) -> None:
+        """The stream over ``x``'s elements (its shape may be known only when it runs)."""
+        if x.shape.is_fully_defined():
+            n, shape = int(np.prod(x.shape.as_list(), dtype=np.int64)), x.shape.as_list()
+        else:
+            shape = tf.shape(x, out_type=tf.int64)
+            n = tf.reduce_prod(shape)
+        i = tf.reshape(tf.cast(tf.range(1, n + 1, dtype=tf.int64), _U), shape)
         z = key + i * _c(_GOLDEN)
         z = (z ^ _shr_c(z, 30)) * _c(_M1)
         z = (z ^ _shr_c(z, 27)) * _c(_M2)
@@ -372,26 +377,35 @@ def _perm(nd: int, axes) -> list[int]:
     return [i for i in range(nd) if i not in axes] + list(axes)
 
 
+def _dims(x) -> list:
+    """``x``'s dimensions: Python ints where the static shape knows them, else scalar tensors (a batch
+    dimension ``model.fit`` leaves open)."""
+    dynamic = None if x.shape.is_fully_defined() else tf.shape(x)
+    return [n if n is not None else dynamic[i] for i, n in enumerate(x.shape.as_list())]
+
+
 def _block_amax(bits, axes, shape):
     """Max of the |x| bit patterns over each block, in the scales' layout."""
     nd = bits.shape.rank
     perm = _perm(nd, axes)
     moved = tf.transpose(bits, perm)
-    dims = moved.shape.as_list()
+    dims = _dims(moved)
     lead, sizes = dims[: nd - len(axes)], dims[nd - len(axes) :]
-    counts = [-(-n // b) for n, b in zip(sizes, shape)]
+    counts = [(n + b - 1) // b for n, b in zip(sizes, shape)]
     pad = [[0, 0]] * len(lead) + [[0, c * b - n] for n, b, c in zip(sizes, shape, counts)]
     split = list(lead)
     for c, b in zip(counts, shape):
         split += [c, b]
+    static = all(isinstance(v, int) for v in split)
+    pad, split = (pad, split) if static else (tf.stack([tf.stack(p) for p in pad]), tf.stack(split))
     blocked = tf.reshape(tf.pad(moved, pad), split)
     amax = tf.reduce_max(blocked, axis=[len(lead) + 2 * i + 1 for i in range(len(shape))])
     return tf.transpose(amax, np.argsort(perm).tolist())
 
 
-def _expand(per_block, axes, shape, full):
-    """Repeat each block's entry over its elements: the scales' layout -> x's layout."""
-    out = per_block
+def _expand(per_block, axes, shape, x):
+    """Repeat each block's entry over its elements: the scales' layout -> ``x``'s layout."""
+    out, full = per_block, _dims(x)
     for a, b in zip(axes, shape):
         out = tf.repeat(out, b, axis=a)
         index = [slice(None)] * out.shape.rank

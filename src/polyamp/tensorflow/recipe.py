@@ -1,20 +1,24 @@
-"""Emulated low-precision training in Keras 3: ``polyamp.recipes`` on the matmuls of Dense layers.
+"""Emulated low-precision training in Keras 3: ``polyamp.recipes`` on the matmuls of Dense and Conv layers.
 
-``mp.watch(model)`` of a ``MixedPrecision`` made from a recipe gives every ``keras.layers.Dense`` of the
-model that the keep list does not keep a ``call`` of its own (on that layer object; ``mp.watch`` again
-restores the others): ``inputs @ kernel`` becomes :func:`linear`, the recipe's three quantized GEMMs,
-as ``polyamp/torch/recipe.py`` describes, in a ``tf.custom_gradient``; bias and activation as Dense's:
+``mp.watch(model)`` of a ``MixedPrecision`` made from a recipe gives every ``keras.layers.Dense`` and
+``Conv1D`` / ``Conv2D`` / ``Conv3D`` of the model that the keep list does not keep a ``call`` of its own
+(on that layer object; ``mp.watch`` again restores the others). In a Dense layer ``inputs @ kernel``
+becomes :func:`linear`, the recipe's three quantized GEMMs, as ``polyamp/torch/recipe.py`` describes, in
+a ``tf.custom_gradient``; bias and activation as Dense's:
 
     forward        y  = Qf(x) @ Qf(W)           blocks along K (x's last axis, W's first)
     input grad     dx = Qb(g) @ Qf'(W)^T        blocks along N (g's last axis, W's last)
     weight grad    dW = Qf'(x)^T @ Qb'(g)       blocks along the rows M of x and g (Hadamard first)
 
+In a Conv layer the convolution becomes ``recipe_conv.conv``, the same three GEMMs as implicit GEMMs
+(blocks along the channels and the batch; that module's docstring); transposed, depthwise and separable
+convolutions are left as Keras runs them.
 ``W`` is the float32 kernel (read outside Keras's autocast), ``x`` the layer's input in its compute
 dtype; products run in the recipe's compute dtype (bf16 or fp32), outputs and ``dx`` in ``x``'s dtype,
 ``dW`` in the kernel's. Per-tensor formats quantize each operand once (one scale, one cast: ``Qf' = Qf``)
 and so does NVFP4's 16x16 weight. A layer's name is ``keep.py``'s ("block/dense_1"); the keep list's
-``first`` / ``last`` are the first and last Dense layer in that order, other entries ``fnmatch``
-patterns (a matching layer keeps the Dense layers below it).
+``first`` / ``last`` are the first and last Dense or Conv layer in that order, other entries ``fnmatch``
+patterns (a matching layer keeps the Dense and Conv layers below it).
 
 Quantization is integer TF ops (``quantize.py``), bit-identical to the numpy core in eager mode, in
 ``tf.function`` and under XLA (``tests/test_tensorflow_recipes.py``):
@@ -49,10 +53,12 @@ from .keep import named_layers
 from .quantize import _U, _divide, _Grid, _Num, _round, _Stream, blocks_keyed, compose, graph_call, key_of
 from .quantize import _decompose as decompose
 from .quantize import _decompose_bits as decompose_bits
+from .recipe_conv import CONV_LAYERS, conv, conv_call, conv_options
 
 _COMPUTE = {"bf16": tf.bfloat16, "fp32": tf.float32}
 _FP32 = _Grid.of(FORMATS["fp32"], False)
 _INF32, _NAN32 = 0x7F800000, 0x7FC00000
+_MATMUL_LAYERS = (keras.layers.Dense, *CONV_LAYERS)
 
 
 class Quantizer:
@@ -234,7 +240,7 @@ def tensorwise(x32, fmt: str, scale, mode: int, key) -> tf.Tensor:
     saturation, divided by ``scale`` (rounded to float32); float32 in and out."""
     x, s = decompose(x32), decompose(tf.convert_to_tensor(scale, tf.float32))
     product = _round(_Num(x.neg, x.sig * s.sig, x.exp + s.exp, x.nan, x.inf), _FP32, _MODE["nearest"], None)
-    stream = _Stream(key, x32.shape) if mode == _MODE["stochastic"] else None
+    stream = _Stream(key, x32) if mode == _MODE["stochastic"] else None
     q = _round(product, _Grid.of(get_format(fmt), True), mode, stream)
     return compose(_round(_divide(q, s, 29), _FP32, _MODE["nearest"], None), tf.float32)
 
@@ -284,33 +290,34 @@ def linear(quantizer: Quantizer, layer: str, compute):
     return apply
 
 
-# -- the model's Dense layers --------------------------------------------------------------------------
-class DenseLayers:
-    """The watched model's Dense layers, the keep list resolved to them, and the ``call`` each quantized
-    one gets (``install`` / ``remove``)."""
+# -- the model's Dense and Conv layers-----------------------------------------------------------------------
+class MatmulLayers:
+    """The watched model's Dense and Conv layers (in ``named_layers`` order), the keep list resolved to
+    them, and the ``call`` each quantized one gets (``install`` / ``remove``)."""
 
     def __init__(self, model, keep: tuple[str, ...]):
         if not isinstance(model, keras.layers.Layer):
             raise PolyampError(f"a recipe applies to a Keras model or layer, got {type(model).__name__}")
         layers = named_layers(model)
-        dense = [(name, layer) for name, layer in layers if isinstance(layer, keras.layers.Dense)]
+        matmuls = [(name, layer) for name, layer in layers if isinstance(layer, _MATMUL_LAYERS)]
         kept: set[str] = set()
         for entry in keep:
             if entry in ("first", "last"):
-                if dense:
-                    kept.add(dense[0][0] if entry == "first" else dense[-1][0])
+                if matmuls:
+                    kept.add(matmuls[0][0] if entry == "first" else matmuls[-1][0])
                 continue
             found = [name for name, _ in layers if fnmatch.fnmatchcase(name, entry)]
             if not found:
                 raise PolyampError(f"the recipe's keep entry {entry!r} matches no layer of the model; "
                                    f"its layers: {', '.join(n for n, _ in layers[:20])}")  # fmt: skip
             kept.update(found)
-        self.kept = sorted(n for n, _ in dense if any(n == k or n.startswith(k + "/") for k in kept))
-        self.quantized = [(n, layer) for n, layer in dense if n not in self.kept]
+        self.kept = sorted(n for n, _ in matmuls if any(n == k or n.startswith(k + "/") for k in kept))
+        self.quantized = [(n, layer) for n, layer in matmuls if n not in self.kept]
         for name, layer in self.quantized:
-            if getattr(layer, "lora_enabled", False) or layer.quantization_mode is not None:
-                raise PolyampError(f"Dense layer {name!r} is LoRA-enabled or Keras-quantized; a recipe "
-                                   "quantizes plain Dense layers only: keep it (keep=...)")  # fmt: skip
+            if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
+                raise PolyampError(f"{type(layer).__name__} layer {name!r} is LoRA-enabled or Keras-"
+                                   "quantized; a recipe quantizes plain Dense and Conv layers only: keep "
+                                   "it (keep=...)")  # fmt: skip
 
     def install(self, quantizer: Quantizer, compute) -> None:
         for name, layer in self.quantized:
@@ -318,7 +325,10 @@ class DenseLayers:
                 for operand in ("input", "weight", "grad"):
                     if (name, operand) not in quantizer.delayed:
                         quantizer.add(name, operand)
-            layer.call = _dense_call(layer, linear(quantizer, name, compute))
+            if isinstance(layer, keras.layers.Dense):
+                layer.call = _dense_call(layer, linear(quantizer, name, compute))
+            else:
+                layer.call = conv_call(layer, conv(quantizer, name, compute, conv_options(layer)))
 
     def remove(self) -> None:
         for _, layer in self.quantized:

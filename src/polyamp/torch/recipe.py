@@ -1,4 +1,5 @@
-"""Emulated low-precision training in PyTorch: ``polyamp.recipes`` applied to ``F.linear``.
+"""Emulated low-precision training in PyTorch: ``polyamp.recipes`` applied to ``F.linear`` and
+``F.convNd`` (``recipe_conv.py``).
 
 Under ``mp.autocast()`` of a ``MixedPrecision`` made from a recipe (``"fp8-tensorwise"``,
 ``"fp8-delayed"``, ``"mxfp8"``, ``"nvfp4"``), each ``torch.nn.functional.linear`` call inside the
@@ -19,7 +20,7 @@ zero padded to a multiple of 16), so ``dW = Qb'(g^T H) @ Qf'(x^T H)^T``: ``H`` i
 the quantization error changes.
 A GEMM the recipe leaves unquantized takes its operands as they are. Products run in the recipe's
 compute dtype (bf16 or fp32), and so does everything else (``torch.autocast``); layers in the keep
-list (by default the first and last ``nn.Linear``) compute as bf16-mixed.
+list (by default the first and last ``nn.Linear`` / ``nn.ConvNd``) compute as bf16-mixed.
 
 Quantization, bit-identical to the numpy core (``tests/test_torch_recipes.py``):
 - tensorwise: ``scale = current_scale(amax)`` (TE's rule), ``fp32(x * scale)`` cast to e4m3fn / e5m2
@@ -46,10 +47,12 @@ from ..numerics import get_format
 from ..quantizer_state import QuantizerState
 from .hadamard import hadamard_tiles
 from .quantize import quantize, quantize_blocks
+from .recipe_conv import is_conv, quantized_conv
 
 _FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _COMPUTE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _FLT_MAX = float(np.finfo(np.float32).max)
+_MATMUL_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
 class Quantizer(QuantizerState):
@@ -151,8 +154,8 @@ class _QuantizedLinear(torch.autograd.Function):
 
 
 class RecipeMode(TorchFunctionMode):
-    """Routes ``F.linear`` calls to ``_QuantizedLinear`` while the innermost running module (``layers``'
-    stack, kept by ``mp.watch``'s hooks) is not kept."""
+    """Routes ``F.linear`` calls to ``_QuantizedLinear`` (``F.convNd`` to ``recipe_conv``) while the
+    innermost running module (``layers``' stack, kept by ``mp.watch``'s hooks) is not kept."""
 
     def __init__(self, quantizer: Quantizer, layers: LayerStack, compute: torch.dtype):
         super().__init__()
@@ -160,9 +163,11 @@ class RecipeMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:
+        if func is F.linear or is_conv(func):
             layer = self.layers.current()
             if layer is not None and not self.layers.is_kept(layer):
+                if func is not F.linear:
+                    return quantized_conv(func, args, kwargs, self.quantizer, layer, self.compute)
                 named = dict(zip(("input", "weight", "bias"), args), **kwargs)
                 return _QuantizedLinear.apply(named["input"], named["weight"], named.get("bias"),
                                               self.quantizer, layer, self.compute)  # fmt: skip
@@ -172,13 +177,13 @@ class RecipeMode(TorchFunctionMode):
 class LayerStack:
     """Which module is running (forward pre/post hooks on every module of the watched model), and the
     recipe's keep list resolved to module names: ``first`` / ``last`` are the first and last
-    ``nn.Linear`` in ``named_modules`` order, other entries ``fnmatch`` patterns."""
+    ``nn.Linear`` or ``nn.ConvNd`` in ``named_modules`` order, other entries ``fnmatch`` patterns."""
 
     def __init__(self, model: torch.nn.Module, keep: tuple[str, ...]):
         if not isinstance(model, torch.nn.Module):
             raise PolyampError(f"expected a torch.nn.Module, got {type(model).__name__}")
         modules = [(n, m) for n, m in model.named_modules() if n]
-        linears = [n for n, m in modules if isinstance(m, torch.nn.Linear)]
+        linears = [n for n, m in modules if isinstance(m, _MATMUL_MODULES)]
         self.kept: set[str] = set()
         for entry in keep:
             if entry in ("first", "last"):

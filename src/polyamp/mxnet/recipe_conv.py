@@ -1,0 +1,190 @@
+"""Emulated low-precision training in MXNet Gluon for ``nn.Conv1D`` / ``Conv2D`` / ``Conv3D`` (channels-first
+layouts, any ``groups``): the convolution's three implicit GEMMs quantized as ``polyamp.recipes`` defines
+them (its module docstring, microxcaling's layout)::
+
+    forward      y  = conv(Qf(x), Qf(W)) (+ b)      x along its channels (1), W along its input channels (1)
+    input grad   dx = conv_input(Qb(g), Qf'(W))     g along its channels (1), W along its output channels (0)
+    weight grad  dW = conv_weight(Qf'(x), Qb'(g))   x and g along the batch axis (0)
+
+``Quantizer`` is ``recipe.py``'s, so delayed-scaling histories and the stochastic-rounding counter are
+shared with the Dense layers and kept per layer in ``mp.state_dict()``. Per-tensor recipes quantize each
+operand once with one scale (``g`` once for both backward GEMMs), as ``QuantizedDense`` does. A
+block-format operand is transposed so that its blocked axis is last, quantized along it, and transposed
+back: stochastic rounding indexes the elements of that moved tensor in C order. NVFP4's weights are
+quantized in 16x16 blocks over (output, input) channels at each kernel position (moved to the last two
+axes), one quantized ``W`` for the forward and the input-gradient GEMM. With ``hadamard=True``, ``x`` and
+``g`` are multiplied by the random Hadamard matrix in tiles of 16 along the batch axis (zero padded) before
+quantization: ``dW = sum_n conv_weight(x_n, g_n)`` and ``H H^T = I``, so only the quantization error
+changes.
+
+The products are MXNet's own ``Convolution`` (not contrib.amp's) on operands cast to the compute dtype
+(bfloat16 through oneDNN, which returns bf16, or float32); the two gradients are that operator's own
+backward, run by a nested ``autograd.record()`` inside the Function's backward on float32 leaves cast to
+the compute dtype within the record (MXNet 1.9 under contrib.amp refuses the backward of a bfloat16 leaf).
+The Function's inputs are ``(weight, bias, x)`` with ``x`` in float32 and frozen parameters are refused,
+for ``QuantizedDense``'s reasons (``recipe.py``); imperative Gluon only.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from ..errors import UnsupportedError
+from .hadamard import hadamard_tiles
+from .keep import _ORIGINAL_OPS, dtype_name
+from .recipe import Quantizer, _cast, _like
+
+with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import mxnet as mx
+    from mxnet import gluon
+
+# MXNet's own Convolution: contrib.amp's would cast the operands to its dtype
+_CONV = (_ORIGINAL_OPS or {}).get("mxnet.ndarray", {}).get("Convolution", mx.nd.Convolution)
+CONV_BLOCKS = (gluon.nn.Conv1D, gluon.nn.Conv2D, gluon.nn.Conv3D)
+LAYOUTS = ("NCW", "NCHW", "NCDHW")
+
+
+def is_conv(block) -> bool:
+    """Whether the recipe quantizes ``block`` as a convolution (not the transposed ones)."""
+    return isinstance(block, CONV_BLOCKS)
+
+
+def check_conv(path: str, block) -> None:
+    """Refuse a convolution whose layout is not channels-first."""
+    layout = block._kwargs.get("layout")
+    if layout not in LAYOUTS:
+        raise UnsupportedError(
+            f"{type(block).__name__} {path!r} has layout {layout!r}; the recipe's quantized convolution "
+            f"takes the channels-first layouts {', '.join(LAYOUTS)}. Keep it out of the recipe (a keep "
+            "pattern) or build it channels-first"
+        )
+
+
+def _conv(x, w, compute: str, kwargs: dict, bias=None):
+    """MXNet's own Convolution in the compute dtype; an NDArray of that dtype."""
+    args = (_cast(x, compute), _cast(w, compute)) + (() if bias is None else (_cast(bias, compute),))
+    return _CONV(*args, no_bias=bias is None, **kwargs)
+
+
+def _conv_grads(x, w, head, compute: str, kwargs: dict, want_x: bool, want_w: bool):
+    """(dx, dW) of ``conv(x, w)`` with output gradient ``head``: Convolution's own backward on float32 leaves
+    cast to the compute dtype inside the record; float32 NDArrays (None for one not wanted)."""
+    leaves = [t.detach() for t in (x, w)]
+    for leaf, want in zip(leaves, (want_x, want_w)):
+        if want:
+            leaf.attach_grad()
+    with mx.autograd.record():
+        y = _conv(*leaves, compute, kwargs)
+    y.backward(_cast(head, compute))
+    return tuple(_like(t.grad, "float32") if want else None for t, want in zip(leaves, (want_x, want_w)))
+
+
+def along(q: Quantizer, t, layer: str, operand: str, axis: int):
+    """``t`` quantized as ``operand``: a block format blocked along ``axis`` (moved last, quantized, moved
+    back); a per-tensor format as it is. Float32."""
+    if q.recipe.kind != "block":
+        return q(t, layer, operand)
+    if axis % t.ndim == t.ndim - 1:
+        return q(t, layer, operand, axis=-1)
+    return mx.nd.moveaxis(q(mx.nd.moveaxis(t, axis, -1), layer, operand, axis=-1), -1, axis)
+
+
+def weight_forward(q: Quantizer, w, layer: str):
+    """``W`` (O, I/groups, k...) quantized for the forward GEMM: along its input channels, or NVFP4's 16x16
+    blocks over (O, I) at each kernel position."""
+    if not (q.recipe.kind == "block" and q.recipe.weight_2d):
+        return along(q, w, layer, "weight", 1)
+    nd = w.ndim
+    moved = q(w.transpose(tuple(range(2, nd)) + (0, 1)), layer, "weight")  # (k..., O, I): 2-D blocks
+    return moved.transpose((nd - 2, nd - 1) + tuple(range(nd - 2)))
+
+
+def hadamard_batch(t):
+    """``t`` times NVFP4's Hadamard matrix in tiles of 16 along axis 0 (zero padded to a multiple of 16):
+    ``polyamp.numerics.hadamard_tiles(t, axis=0)``, float32."""
+    n, rest = t.shape[0], t.shape[1:]
+    h = hadamard_tiles(mx.nd.moveaxis(t, 0, -1).reshape((-1, n)))
+    return mx.nd.moveaxis(h.reshape(rest + (h.shape[1],)), -1, 0)
+
+
+class QuantizedConv(mx.autograd.Function):
+    """Convolution with the recipe's three quantized GEMMs (module docstring)."""
+
+    def __init__(self, quantizer: Quantizer, layer: str, compute: str, kwargs: dict):
+        super().__init__()
+        self.quantizer, self.layer, self.compute, self.kwargs = quantizer, layer, compute, kwargs
+
+    def forward(self, weight, *rest):
+        bias, x = rest if len(rest) == 2 else (None, rest[0])
+        q, r = self.quantizer, self.quantizer.recipe
+        w32 = _like(weight, "float32")  # to transpose (a bfloat16 transpose corrupts MXNet 1.9's heap)
+        xq = along(q, x, self.layer, "input", 1) if r.quantize_forward else x
+        wq = weight_forward(q, w32, self.layer) if r.quantize_forward else w32
+        self.save_for_backward(x, w32, xq, wq)
+        self.dtypes = (dtype_name(x.dtype), dtype_name(weight.dtype), bias is not None)
+        return _conv(xq, wq, self.compute, self.kwargs, bias)
+
+    def backward(self, grad):
+        x, w32, xq, wq = self.saved_tensors
+        x_dtype, w_dtype, has_bias = self.dtypes
+        grad, x = _like(grad, "float32"), _like(x, "float32")
+        q, r, layer = self.quantizer, self.quantizer.recipe, self.layer
+        block = r.kind == "block"
+        wanted = (r.quantize_input_grad, r.quantize_weight_grad)
+        once = q(grad, layer, "grad") if any(wanted) and not block else None  # one cast, one scale
+        g_dx, w_dx = grad, w32
+        if wanted[0]:  # g along its channels; W along its output channels (the dgrad GEMM's K)
+            g_dx = along(q, grad, layer, "grad", 1) if block else once
+            w_dx = along(q, w32, layer, "weight", 0) if block and not r.weight_2d else wq
+        g_dw, x_dw = grad, x
+        if wanted[1]:  # both along the batch axis (the wgrad GEMM's K)
+            if r.hadamard:
+                g_dw, x_dw = hadamard_batch(g_dw), hadamard_batch(x_dw)
+            g_dw = along(q, g_dw, layer, "grad", 0) if block else once
+            x_dw = along(q, x_dw, layer, "input", 0) if block else xq
+        args = self.compute, self.kwargs
+        if g_dx is g_dw:  # one head gradient: one backward
+            dx, dw = _conv_grads(x_dw, w_dx, g_dx, *args, True, True)
+        else:
+            dx, _ = _conv_grads(x, w_dx, g_dx, *args, True, False)
+            _, dw = _conv_grads(x_dw, w32, g_dw, *args, False, True)
+        out = [_like(dw, w_dtype)]
+        if has_bias:
+            out.append(_like(mx.nd.sum(grad, axis=1, exclude=True), w_dtype))
+        return (*out, _like(dx, x_dtype))
+
+
+class RecipeConv:
+    """One watched convolution block: its ``hybrid_forward`` replaced (an instance attribute) by the
+    quantized GEMMs, with the block's own Convolution arguments; ``remove()`` puts the previous one back."""
+
+    def __init__(self, name: str, block, quantizer: Quantizer, compute: str):
+        from .recipe import RecipeDense
+
+        self.name, self.block, self._restore = name, block, RecipeDense.restore
+        self._own = vars(block).get("hybrid_forward")
+        original = getattr(self._own, "recipe_of", None)  # another recipe's forward: replace it
+        if original is not None:
+            self._own = original
+        kwargs = {k: v for k, v in block._kwargs.items() if k != "no_bias"}
+
+        def hybrid_forward(F, x, weight, bias=None):
+            if F is not mx.nd:
+                raise UnsupportedError(
+                    f"{type(block).__name__} {name!r} is traced into a hybridized graph, where the recipe's "
+                    "quantized GEMMs (an mx.autograd.Function) cannot run; train with "
+                    "net.hybridize(active=False)"
+                )
+            x32 = _like(x, "float32")  # a float32 gradient buffer (MXNet copies a bf16 one wrongly under amp)
+            y = QuantizedConv(quantizer, name, compute, kwargs)(
+                *((weight, x32) if bias is None else (weight, bias, x32))
+            )
+            return y if block.act is None else block.act(y)
+
+        hybrid_forward.recipe_of = self._own
+        vars(block)["hybrid_forward"] = hybrid_forward
+
+    def remove(self) -> None:
+        if getattr(vars(self.block).get("hybrid_forward"), "recipe_of", False) is self._own:
+            self._restore(self.block, self._own)
