@@ -264,7 +264,8 @@ def test_operands_with_an_open_dimension_are_quantized_as_the_core_does(spec):
     x = wide((37, 40), 6)
     for axis in (0, -1):
         q = tr.Quantizer(r)
-        fn = tf.function(lambda t: q(t, "layer", "grad", axis), input_signature=[tf.TensorSpec([None, 40])])
+        fn = tf.function(lambda t, q=q, axis=axis: q(t, "layer", "grad", axis),
+                         input_signature=[tf.TensorSpec([None, 40])])  # fmt: skip
         got = fn(tf.constant(x))
         seed = int(q.calls.numpy()) if r.grad_rounding == "stochastic" else None
         assert same(got, core(x, r, "grad", axis, seed, None)), axis
