@@ -7,7 +7,10 @@
 #     bash benchmarks/gpu_checks.sh [part ...]
 #
 # parts: env tests overhead doctor proofs quantize jax jax-strict (the last: XLA without excess precision,
-# so every fp16 intermediate is rounded as the CPU rounds it)
+# so every fp16 intermediate is rounded as the CPU rounds it), and check, not in the default list:
+# benchmarks/gpu_check.py (about 9 minutes: polyamp vs native AMP in torch, TF and JAX, polyamp compare
+# and polyamp tune, written to $OUT/gpu_check.{json,md}); it supersedes the overhead part. Run it alone:
+#     bash benchmarks/gpu_checks.sh check        (or: python3 benchmarks/gpu_check.py --out $OUT)
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -38,6 +41,8 @@ print(\"numpy\", numpy.__version__, \"torch\", torch.__version__, torch.cuda.get
     jax) part jax 70 "$PY" benchmarks/doctor_underflow_jax.py ;;
     jax-strict) part jax-strict 70 env XLA_FLAGS=--xla_allow_excess_precision=false "$PY" \
         benchmarks/doctor_underflow_jax.py ;;
-    *) echo "unknown part $p (accepted: env tests overhead doctor proofs quantize jax jax-strict)"; exit 2 ;;
+    check) part check 570 "$PY" benchmarks/gpu_check.py --budget 540 --out "$OUT" ;;
+    *) echo "unknown part $p (accepted: env tests overhead doctor proofs quantize jax jax-strict check)"
+        exit 2 ;;
     esac
 done

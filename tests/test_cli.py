@@ -78,7 +78,8 @@ def test_help_names_every_command_on_one_line(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "commands:" in out
     listing = [line.split()[0] for line in out.split("commands:")[1].strip().splitlines()]
-    assert listing == ["<command>", "formats", "cast", "compare", "doctor"]  # one line each, none wrapped
+    # one line each, none wrapped
+    assert listing == ["<command>", "formats", "cast", "compare", "doctor", "tune"]
 
 
 def test_version(capsys):

@@ -4,7 +4,7 @@ Importing polyamp imports numpy and ml_dtypes only; each framework is imported b
 first used.
 """
 
-from . import doctor
+from . import doctor, tune
 from .errors import NonFiniteError, PolyampError, UnsupportedError
 from .mixed_precision import MixedPrecision
 from .native import from_native, to_native
@@ -46,6 +46,7 @@ __all__ = [
     "decode",
     "decode_blocks",
     "doctor",
+    "tune",
     "encode",
     "encode_blocks",
     "from_native",

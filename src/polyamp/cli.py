@@ -1,4 +1,5 @@
-"""The ``polyamp`` command line: ``formats``, ``cast``, ``compare`` and ``doctor`` (``polyamp --help``)."""
+"""The ``polyamp`` command line: ``formats``, ``cast``, ``compare``, ``doctor`` and ``tune`` (``polyamp
+--help``)."""
 
 from __future__ import annotations
 
@@ -68,8 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                    "are the default run's)")  # fmt: skip
 
     from .doctor.cli import add_parser
+    from .tune.cli import add_parser as add_tune_parser
 
     add_parser(sub)
+    add_tune_parser(sub)
     argv = _cast_values_last(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)
     try:
@@ -83,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             from .doctor.cli import doctor
 
             return doctor(args, argv)
+        if args.command == "tune":
+            from .tune.cli import tune
+
+            return tune(args)
         return _cast(args)
     except PolyampError as err:
         print(f"polyamp: error: {err}", file=sys.stderr)

@@ -243,3 +243,20 @@ class Trainer(TrainerBase):
 
 def versions() -> dict[str, str]:
     return {"jax": jax.__version__, "optax": optax.__version__}
+
+
+def tune_inputs(name: str, quick: bool = False) -> tuple:
+    """A workload as ``polyamp.jax.tune``'s arguments: its float32 weights, its batches (cycled), its
+    loss ``loss_fn(params, (x, y))``, and ``optax.adam`` with the workload's learning rate."""
+    from .workloads import get_workload
+
+    wl = get_workload(name, quick=quick)
+    params = {k: jnp.asarray(w) for k, w in wl.weights.items()}
+
+    def batch(i: int):
+        return inputs(wl, *wl.batch_at(i % wl.steps))
+
+    def loss(p, b):
+        return loss_fn(wl, p, *b)
+
+    return params, batch, loss, optax.adam(wl.lr)

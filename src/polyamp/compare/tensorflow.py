@@ -225,3 +225,22 @@ class Trainer(TrainerBase):
 
 def versions() -> dict[str, str]:
     return {"tensorflow": tf.__version__, "keras": keras.__version__}
+
+
+def tune_inputs(name: str, quick: bool = False) -> tuple:
+    """A workload as ``polyamp.tensorflow.tune``'s arguments: the function that builds its float32
+    network with the workload's weights, its batches (cycled), its loss in Keras's ``(y_true, y_pred)``
+    order, and Keras's Adam with the workload's learning rate and epsilon 1e-8, as the Trainer uses."""
+    from .workloads import get_workload
+
+    wl = get_workload(name, quick=quick)
+    loss = _LOSSES[wl.loss_kind]
+
+    def make_model() -> keras.Model:
+        return _NETWORKS[wl.architecture](wl)
+
+    def batch(i: int):
+        return wl.batch_at(i % wl.steps)
+
+    adam = keras.optimizers.Adam(wl.lr, epsilon=1e-8)
+    return make_model, batch, (lambda y_true, y_pred: loss(y_pred, y_true)), adam

@@ -191,3 +191,23 @@ class Trainer(TrainerBase):
 
 def versions() -> dict[str, str]:
     return {"torch": torch.__version__}
+
+
+def tune_inputs(name: str, quick: bool = False, device: str = "cpu") -> tuple:
+    """A workload as ``polyamp.torch.tune``'s arguments: its float32 network on ``device``, its batches
+    (cycled, each copied there once, so that no step times a host-to-device copy), its loss, and
+    torch's default Adam (not the fused one the Trainer uses: choosing it is tune's job)."""
+    from .workloads import get_workload
+
+    wl = get_workload(name, quick=quick)
+    torch.manual_seed(wl.seed)
+    model = _NETWORKS[wl.architecture](wl).to(device)
+    cache: dict[int, tuple] = {}
+
+    def batch(i: int):
+        j = i % wl.steps
+        if j not in cache:
+            cache[j] = tuple(torch.from_numpy(a).to(device) for a in wl.batch_at(j))
+        return cache[j]
+
+    return model, batch, _LOSSES[wl.loss_kind], torch.optim.Adam(model.parameters(), lr=wl.lr)

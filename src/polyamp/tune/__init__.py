@@ -1,0 +1,47 @@
+"""``polyamp.tune``: the fastest configuration that keeps the loss of float32, chosen by measurement.
+
+``polyamp.tune(model, batch, loss_fn, optimizer, framework=None, policies=("bf16-mixed",), budget_s=120)``
+(this package is callable) hands the model to its framework's front end (``polyamp.<framework>.tune``),
+which says which knobs it has and builds one training step per configuration; ``search.py`` tries them
+one knob at a time against float32's loss and in paired timing rounds, and returns a ``TuneReport``
+(``report.py``); ``search.tune(tunable, ...)`` runs it on any ``space.Tunable``. Nothing here imports a
+framework.
+"""
+
+import importlib
+import sys
+import types
+
+from ..errors import PolyampError
+from ..frameworks import detect as _detect
+from . import search
+from .report import Final, Trial, TuneReport
+from .space import TUNE_POLICIES, Candidate, Knob
+
+__all__ = ["TUNE_POLICIES", "Candidate", "Final", "Knob", "Trial", "TuneReport", "run", "search"]
+BUILT_ON = ("torch", "jax", "tensorflow")
+
+
+def run(model, *args, framework: str | None = None, **kwargs) -> TuneReport:
+    """``polyamp.tune(...)``: the model's front end's ``tune`` (module docstring)."""
+    if framework is None and callable(model) and _detect(model) is None:
+        raise PolyampError("polyamp.tune got a function as its model (Keras's make_model): say which "
+                           "framework builds it, e.g. framework='tensorflow'")  # fmt: skip
+    if framework is None:
+        from ..doctor.run import framework_of
+
+        framework = framework_of(model)
+    if framework not in BUILT_ON:
+        raise PolyampError(f"polyamp.tune is built for {', '.join(BUILT_ON)} so far; received a {framework} "
+                           "model")  # fmt: skip
+    return importlib.import_module(f"polyamp.{framework}.tune").tune(model, *args, **kwargs)
+
+
+class _CallableModule(types.ModuleType):
+    """``polyamp.tune(...)`` calls ``run``; the package's names stay importable."""
+
+    def __call__(self, *args, **kwargs) -> TuneReport:
+        return run(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

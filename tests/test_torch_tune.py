@@ -1,0 +1,135 @@
+"""``polyamp.tune`` on PyTorch (``polyamp/torch/tune.py``): the knobs a model and optimizer offer, every
+configuration starting from the same weights, the optimizer rebuilt with its hyper-parameters, a short
+search's report, ``report.apply``, the command line, and bad input."""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import polyamp as pa
+from polyamp import PolyampError
+from polyamp.cli import main
+from polyamp.torch import tune as tt
+from polyamp.tune import Candidate
+from polyamp.tune.report import STATUSES
+from polyamp.tune.search import tune as search
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+def batches(i):
+    g = torch.Generator().manual_seed(i % 4)
+    x = torch.randn(64, 32, generator=g)
+    return x, x[:, :4].sin()
+
+
+def test_the_knobs_follow_the_model_and_optimizer():
+    model = mlp()
+    knobs = tt.knobs(model, torch.optim.Adam(model.parameters()))
+    assert knobs["optimizer"].values == ("as given", "foreach", "fused")
+    assert knobs["compile"].values == (False, True) and "channels_last" not in knobs
+    conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    rprop = tt.knobs(conv, torch.optim.Rprop(conv.parameters()))  # Rprop has foreach only
+    assert rprop["optimizer"].values == ("as given", "foreach") and "channels_last" in rprop
+    if torch.get_num_threads() > 1:
+        assert knobs["threads"].values == (torch.get_num_threads(), torch.get_num_threads() // 2)
+
+
+def test_every_configuration_starts_from_the_same_weights_and_keeps_the_optimizer():
+    model = mlp()
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "lr": 1e-3},
+                             {"params": list(model[2].parameters()) + list(model[4].parameters())}],
+                            lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1)  # fmt: skip
+    before = copy.deepcopy(model.state_dict())
+    t = tt.Tunable(model, batches, nn.functional.mse_loss, opt)
+    steps = [t.build(Candidate.of("float32", {**dict(tt_defaults(t)), "optimizer": impl}))
+             for impl in ("as given", "foreach", "fused")]  # fmt: skip
+    losses = [[s.step(i) for i in range(3)] for s in steps]
+    assert losses[0][0] == losses[1][0] == losses[2][0]  # the same weights and batch at step 0
+    assert all(abs(a - b) < 1e-5 for a, b in zip(losses[0], losses[2]))  # fused Adam: the same arithmetic
+    rebuilt = steps[2].optimizer
+    assert [g["lr"] for g in rebuilt.param_groups] == [1e-3, 3e-3]
+    for g in rebuilt.param_groups:
+        assert g["betas"] == (0.8, 0.95) and g["weight_decay"] == 0.1 and g["fused"]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the user's model untouched
+    for s in steps:
+        s.close()
+
+
+def tt_defaults(t):
+    return {k: v.default for k, v in t.knobs.items()}
+
+
+def test_a_short_search_reports_every_trial_and_applies_its_best():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    t = tt.Tunable(model, batches, nn.functional.mse_loss, opt, name="mlp")
+    t.knobs = {k: v for k, v in t.knobs.items() if k != "compile"}  # compile: its own test below
+    report = search(t, ("bf16-mixed",), budget_s=15, parity_steps=3)
+    policies = ("float32", "bf16-mixed")
+    expected = {(p, k, v) for p in policies for k, knob in t.knobs.items() for v in knob.values[1:]}
+    tried = set()
+    for trial in report.trials:
+        assert trial.status in STATUSES
+        if trial.status in ("ok", "chosen", "no gain", "slower") and trial.parity is not None:
+            assert trial.parity <= 0.05
+        changed = [(k, v) for k, v in trial.candidate.settings if v != t.knobs[k].default]
+        tried.update((trial.candidate.policy, k, v) for k, v in changed)
+    assert expected <= tried
+    json.dumps(report.to_json())
+    mp, fast_model, fast_opt = report.apply(model, opt)
+    assert mp.policy.name == report.policy
+    losses = []
+    for i in range(20):
+        x, y = batches(i)
+        fast_opt.zero_grad()
+        with mp.autocast():
+            loss = nn.functional.mse_loss(fast_model(x).float(), y)
+        mp.backward(loss)
+        mp.step(fast_opt)
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_compile_keeps_the_loss():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 4))
+    t = tt.Tunable(model, batches, nn.functional.mse_loss, torch.optim.Adam(model.parameters(), 1e-2))
+    plain, compiled = (t.build(Candidate.of("bf16-mixed", {**tt_defaults(t), "compile": c})) for c in (0, 1))
+    a, b = [plain.step(i) for i in range(3)], [compiled.step(i) for i in range(3)]
+    assert all(abs(x - y) <= 0.02 * abs(x) for x, y in zip(a, b))
+
+
+def test_tune_dispatches_and_refuses_bad_input():
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters())
+    with pytest.raises(PolyampError, match="give a torch.optim.Optimizer of the model's parameters"):
+        tt.Tunable(model, batches, nn.functional.mse_loss, None)
+    with pytest.raises(PolyampError, match="tune takes a torch.nn.Module, got list"):
+        tt.Tunable([1], batches, nn.functional.mse_loss, opt)
+    other = mlp(1)
+    with pytest.raises(PolyampError, match="its parameters must be the model's own"):
+        tt.Tunable(model, batches, nn.functional.mse_loss, torch.optim.Adam(other.parameters()))
+    with pytest.raises(PolyampError, match="tune compares float32, bf16-mixed, fp16-mixed"):
+        pa.tune(model, batches, nn.functional.mse_loss, opt, policies=("nvfp4",))
+
+
+def test_the_command_line_tunes_a_quick_workload(tmp_path, capsys):
+    code = main(["tune", "--workloads", "mlp", "--quick", "--budget", "8", "--parity-steps", "3", "--json",
+                 "--knobs", "optimizer", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    (data,) = json.loads(capsys.readouterr().out)
+    assert data["framework"] == "torch" and data["name"] == "mlp"
+    assert json.loads((tmp_path / "torch-mlp.json").read_text())["best"] == data["best"]
+    assert {t["label"].split()[1] for t in data["trials"] if "optimizer=" in t["label"]} <= {
+        "optimizer=foreach", "optimizer=fused", "optimizer=as"}  # fmt: skip
+    assert main(["tune", "--workloads", "mlp", "--quick", "--knobs", "warp"]) == 2
+    assert "--knobs warp: not a knob of this model; its knobs: optimizer, compile" in capsys.readouterr().err
+    assert main(["tune", "--framework", "mxnet"]) == 2
+    assert "built for torch" in capsys.readouterr().err

@@ -1,0 +1,157 @@
+"""``polyamp.tune``'s framework-free search (``polyamp/tune/search.py``) on a model whose step is a sleep of
+known length and whose loss is a known number: the knob that is faster is chosen, the one that breaks
+parity, raises, returns NaN or is far slower is reported with its reason, a spent budget leaves the rest
+listed as not tried, and the report's JSON and text carry all of it."""
+
+import json
+import math
+import time
+
+import pytest
+
+from polyamp import PolyampError
+from polyamp.tune import Candidate, Knob
+from polyamp.tune import search as search_module
+from polyamp.tune.report import STATUSES
+from polyamp.tune.search import tune as search
+from polyamp.tune.space import check_policies
+
+MS = 1e-3
+
+
+class Sleeper:
+    """A step that sleeps ``cost(candidate)`` seconds and returns ``loss(candidate, i)``."""
+
+    framework = "none"
+    name = "sleeper"
+
+    def __init__(self, knobs, cost, loss=lambda c, i: 1.0 / (i + 1)):
+        self.knobs, self.cost, self.loss = knobs, cost, loss
+        self.built: list[Candidate] = []
+        self.open = 0
+
+    def build(self, candidate):
+        self.built.append(candidate)
+        self.open += 1
+        tunable = self
+
+        class Step:
+            def step(self, i):
+                time.sleep(tunable.cost(candidate))
+                return tunable.loss(candidate, i)
+
+            def close(self):
+                tunable.open -= 1
+
+        return Step()
+
+
+def run(tunable, **kw):
+    kw.setdefault("budget_s", 20.0)
+    kw.setdefault("parity_steps", 3)
+    return search(tunable, **kw)
+
+
+def test_the_faster_value_is_chosen_and_the_slower_kept_out():
+    knobs = {"fast": Knob((False, True), "fast path {value}"), "slow": Knob((False, True), "slow {value}")}
+
+    def cost(c):
+        return (5 * MS if c.get("fast") else 25 * MS) + (20 * MS if c.get("slow") else 0)
+
+    t = Sleeper(knobs, cost)
+    report = run(t, policies=("bf16-mixed",))
+    by_label = {tr.candidate.label: tr for tr in report.trials}
+    assert by_label["float32 fast=on slow=off"].status == "chosen"
+    assert by_label["float32 fast=on slow=on"].status == "slower"
+    assert by_label["bf16-mixed fast=on slow=off"].status == "chosen"
+    assert report.tuned["float32"] == Candidate.of("float32", {"fast": True, "slow": False})
+    assert report.best.get("fast") is True and report.best.get("slow") is False
+    chosen = [tr for tr in report.trials if tr.status == "chosen"]
+    assert all(tr.speedup > 2 and tr.ci95[0] > 1 for tr in chosen)  # 5x in sleeps
+    assert any("fast=on: fast path on; measured" in r for r in report.reasons())
+    assert t.open == 0  # every built step closed
+    final = {f.key: f for f in report.final}
+    assert set(final) == {"float32 default", "float32 tuned", "bf16-mixed default", "bf16-mixed tuned"}
+    assert final["float32 tuned"].speedup > 2
+    ratio, (lo, hi) = report.speedup("bf16-mixed")
+    assert lo <= ratio <= hi and 0.5 < ratio < 2  # the same cost: about 1x
+
+
+def test_parity_failures_and_non_finite_losses_are_reported_with_their_reason():
+    knobs = {"mode": Knob(("a", "off-by-10%", "nan", "raises"), "mode {value}")}
+
+    def loss(c, i):
+        mode = c.get("mode")
+        if mode == "raises":
+            raise RuntimeError("unsupported op")
+        if mode == "nan" and i == 1:
+            return math.nan
+        return (1.1 if mode == "off-by-10%" else 1.0) / (i + 1)
+
+    report = run(Sleeper(knobs, lambda c: MS, loss), policies=("float32",))
+    status = {tr.candidate.get("mode"): tr for tr in report.trials}
+    assert status["off-by-10%"].status == "parity" and "10.00% apart" in status["off-by-10%"].reason
+    assert status["nan"].status == "failed" and "non-finite" in status["nan"].reason
+    assert status["raises"].status == "failed" and "RuntimeError: unsupported op" in status["raises"].reason
+    assert report.best == Candidate.of("float32", {"mode": "a"})
+    assert all(tr.status in STATUSES for tr in report.trials)
+
+
+def test_a_far_slower_configuration_is_not_timed_further(monkeypatch):
+    monkeypatch.setattr(search_module, "SLOW_S", 0.05)
+    knobs = {"k": Knob((0, 1), "k {value}")}
+    report = run(Sleeper(knobs, lambda c: 0.2 if c.get("k") else 2 * MS), policies=("float32",))
+    (trial,) = report.trials
+    assert trial.status == "slower" and "not timed further" in trial.reason
+
+
+def test_a_policy_that_breaks_parity_is_dropped_with_its_knobs():
+    knobs = {"k": Knob((0, 1), "k {value}")}
+    t = Sleeper(knobs, lambda c: MS, lambda c, i: 2.0 if c.policy == "fp16-mixed" else 1.0)
+    report = run(t, policies=("fp16-mixed",))
+    fp16 = [tr for tr in report.trials if tr.candidate.policy == "fp16-mixed"]
+    assert [tr.status for tr in fp16] == ["parity"]
+    assert "fp16-mixed" not in report.tuned and report.best.policy == "float32"
+
+
+def test_a_spent_budget_lists_what_was_not_tried():
+    knobs = {name: Knob((0, 1), f"{name} {{value}}") for name in "abcdef"}
+    report = run(Sleeper(knobs, lambda c: 20 * MS), policies=("float32",), budget_s=0.3)
+    statuses = [tr.status for tr in report.trials]
+    assert "not tried" in statuses and len(statuses) == 6
+    assert all("budget was spent" in tr.reason for tr in report.trials if tr.status == "not tried")
+    assert report.spent_s < 0.3 + 0.35  # the final rounds: 5 of 20 ms for each of 2 configurations
+
+
+def test_the_report_goes_to_json_and_text(tmp_path):
+    knobs = {"k": Knob((0, 1), "k {value}")}
+    report = run(Sleeper(knobs, lambda c: (1 if c.get("k") else 4) * MS), policies=("bf16",))
+    path = tmp_path / "tune.json"
+    report.save(path)
+    data = json.loads(path.read_text())
+    assert data["best"] == report.best.to_json() and data["policies"] == ["float32", "bf16-mixed"]
+    assert {t["status"] for t in data["trials"]} <= set(STATUSES)
+    assert data["speedup_over_tuned_float32"]["bf16-mixed"]["speedup"] > 0
+    text = report.text()
+    assert "tuned bf16-mixed / tuned float32" in text and "best: " in text and "why:" in text
+
+
+def test_bad_arguments_are_one_clear_error():
+    knobs = {"k": Knob((0, 1), "k {value}")}
+    t = Sleeper(knobs, lambda c: MS)
+    with pytest.raises(PolyampError, match="tune compares float32, bf16-mixed, fp16-mixed"):
+        check_policies(["mxfp8"])
+    with pytest.raises(PolyampError, match="received 'bf16-true'"):
+        check_policies("bf16-true")
+    with pytest.raises(PolyampError, match="unknown precision policy 'fp7'"):
+        check_policies("fp7")
+    with pytest.raises(PolyampError, match="budget_s must be a finite number > 0; received -1"):
+        run(t, budget_s=-1)
+    with pytest.raises(PolyampError, match="parity_steps must be an integer >= 2; received 1"):
+        run(t, parity_steps=1)
+    with pytest.raises(PolyampError, match="rtol must be a finite number > 0"):
+        run(t, rtol=math.inf)
+    nan = Sleeper(knobs, lambda c: MS, lambda c, i: math.nan)
+    with pytest.raises(PolyampError, match="float32 reference's loss after 3 steps is nan"):
+        run(nan)
+    assert check_policies("bf16") == ("float32", "bf16-mixed")
