@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
                    "per run before it is capped and not counted (default 300; --budget and --timeout "
                    "are the default run's)")  # fmt: skip
 
+    p.add_argument("--tuned", nargs="?", const="tune-report", metavar="FOLDER", help="instead: each "
+                   "framework's tuned float32 and bf16 steps (polyamp tune's reports in FOLDER, made there "
+                   "when missing; default tune-report) side by side in paired rounds, with a verdict: best "
+                   "bf16 vs best float32 of any framework; writes tuned.json, .md, .png")  # fmt: skip
+    p.add_argument("--tune-budget", type=_seconds, default=120.0, help="with --tuned: polyamp tune's budget "
+                   "per missing report (default 120)")  # fmt: skip
+
     from .doctor.cli import add_parser
     from .tune.cli import add_parser as add_tune_parser
 

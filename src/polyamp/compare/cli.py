@@ -26,6 +26,8 @@ def compare(args) -> int:
         os.environ["POLYAMP_MXNET_PYTHON"] = args.mxnet_python  # mxnet_python() checks that it exists
     if getattr(args, "converge", False):
         return converge(args)
+    if getattr(args, "tuned", None):
+        return tuned(args)
     for option in ("seeds", "converge_budget"):
         if getattr(args, option, None) is not None:
             raise PolyampError(f"--{option.replace('_', '-')} applies to --converge only; got it without")
@@ -138,6 +140,37 @@ def converge(args) -> int:
         error = error if len(error) <= 300 else error[:299] + "…"  # convergence.md has the whole text
         print(f"  {r.framework} {r.workload} {r.policy} seed {r.seed}: {r.status}: {error}", file=sys.stderr)
     return 1
+
+
+def tuned(args) -> int:
+    """``--tuned``: every framework's tuned float32 and bf16 rows side by side (``tuned.py``); 0, or 1
+    when a row crashed."""
+    from pathlib import Path
+
+    from . import tuned as tuned_rows
+
+    if args.policies:
+        raise PolyampError("--tuned compares each framework's tuned float32 and bf16-mixed rows; it takes no "
+                           f"--policies (got {args.policies!r})")  # fmt: skip
+    runner.check_options(args.steps, args.budget, args.timeout)
+
+    def say(text: str) -> None:
+        if not args.json:
+            print(f"[compare --tuned] {text}", file=sys.stderr, flush=True)
+
+    results = tuned_rows.run(_split(args.frameworks), _split(args.workloads), Path(args.tuned),
+                             args.tune_budget, args.quick, args.steps, args.budget, args.timeout,
+                             Path(args.out), say)  # fmt: skip
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(tuned_rows.markdown(results))
+        print(f"\nReport: {Path(args.out) / 'tuned.md'}, plot: {Path(args.out) / 'tuned.png'}")
+    crashed = [r for w in results["workloads"].values() for r in w["rows"] if r["status"] in runner.CRASHED]
+    for r in crashed:
+        print(f"polyamp compare --tuned: {r['framework']} {r['workload']} {r['policy']}: {r['status']}: "
+              f"{' '.join(str(r['error']).split())[:300]}", file=sys.stderr)  # fmt: skip
+    return 1 if crashed else 0
 
 
 def _command() -> str | None:

@@ -31,8 +31,9 @@ compiling the forward pass), at most ``min(steps, INFER_MAX_CALLS)`` calls. A po
 was not capped is then evaluated through ``infer``. Its ``status`` is that of the inference calls:
 one that raises leaves the training fields as they are.
 
-``--serve`` (MXNet, whose AMP is process-wide, so each policy has its own process): answers one
-JSON command a line on stdin (``roofline``, ``build``, ``step``, ``result``, ``memory``,
+``--serve`` (MXNet, whose AMP is process-wide, so each policy has its own process; and every row of
+``compare --tuned``): answers one JSON command a line on stdin (``roofline``, ``build``, ``build_tuned``
+(``tuned.TunedRun``), ``step``, ``result``, ``memory``,
 ``inference_info``, ``infer``, ``infer_eval``, ``exit``) with one JSON line on stdout: what the
 :class:`PolicyRun` method of that name returns; the runner pairs the processes' steps and inference
 calls in rounds (``lockstep.py``).
@@ -315,6 +316,12 @@ def serve(commands, reply) -> None:
                 run = PolicyRun(module.Trainer(wl, cmd["policy"]), wl.metric,
                                 sync=queued_work_waiter(cmd["framework"]))  # fmt: skip
                 out = {"versions": module.versions(), "steps_requested": wl.steps}
+            elif op == "build_tuned":
+                from .tuned import TunedRun
+
+                run = TunedRun(cmd["framework"], cmd["workload"], cmd["policy"], cmd["settings"],
+                               cmd["quick"], cmd.get("env", ()))  # fmt: skip
+                out = {"env": run.env}
             elif op == "step":
                 out = {"seconds": run.step(cmd["i"])}
             elif op == "result":
@@ -328,8 +335,8 @@ def serve(commands, reply) -> None:
             elif op == "infer_eval":
                 out = run.infer_eval()
             else:
-                raise ValueError(f"unknown command {op!r}; accepted: roofline, build, step, result, memory, "
-                                 "inference_info, infer, infer_eval, exit")  # fmt: skip
+                raise ValueError(f"unknown command {op!r}; accepted: roofline, build, build_tuned, step, "
+                                 "result, memory, inference_info, infer, infer_eval, exit")  # fmt: skip
         except Exception as err:
             out = {"failure": error_fields(err)}
         reply.write(json.dumps(out) + "\n")

@@ -1,0 +1,297 @@
+"""``polyamp compare --tuned``: every framework's tuned float32 and bf16 steps, side by side in one run.
+
+For each workload, each framework that ``polyamp tune`` is built for gives two rows, its tuned float32
+and its tuned bf16-mixed configuration, read from ``FOLDER/<framework>-<workload>.json`` (a saved
+:class:`~polyamp.tune.TuneReport`), or made there first by ``polyamp tune`` in a child process. torch's
+rows come twice more with ``THP_MEM_ALLOC_ENABLE=1``: torch then backs each CPU allocation of 2 MB or
+more with transparent huge pages, which saves the page faults of the step's fresh weight casts and
+gradients; torch reads that variable once per process, so tune's in-process search cannot try it.
+
+Every row is built in its own ``worker --serve`` process from the same workload weights and batches.
+Each framework's first process measures the matmul peaks (``roofline.py``) before it builds anything.
+The rows then step in interleaved rounds driven from this process (``timing.run_rounds``), so every
+speed-up is paired: the median over shared rounds of (baseline seconds / row seconds), with its 95 %
+bootstrap interval, where the baseline is the float32 row with the lowest median step. Each row also
+shows its share of its framework's matmul peak for its compute dtype, and its loss after the last
+shared step beside its framework's float32 loss. The verdict sets the fastest bf16 row of any framework
+against that baseline.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import PolyampError
+from . import runner
+from .flops import train_step_flops
+from .lockstep import Served, _roofline
+from .roofline import share
+from .timing import LOCKSTEP, CaseError, paired_ratio, run_rounds
+from .workloads import get_workload
+
+POLICIES = ("float32", "bf16-mixed")
+TARGET = 1.6  # issue 16: the best bf16 step of any framework over the best float32 step of any framework
+TUNED_STEPS = 40
+PROCESS_SETTINGS = {"torch": ({}, {"THP_MEM_ALLOC_ENABLE": "1"})}  # each row once per setting
+ABOUT = ("Each framework's tuned float32 and bf16-mixed configurations (its `polyamp tune` reports), each in "
+         "its own process from the same weights and batches, stepped in interleaved rounds. *vs best fp32*: "
+         "the median over shared rounds of (fastest float32 row's seconds / the row's), with its 95 % "
+         "bootstrap interval; *vs own fp32*: the same against its framework's float32 row; *share of peak*: "
+         "model matmul FLOPs per step over the median step, over the framework's measured matmul peak for "
+         "the compute dtype; *loss*: after the last step shared with its framework's float32 row.")
+
+
+@dataclass
+class TunedRow:
+    """One tuned configuration in its own process, and what the rounds measured."""
+
+    framework: str
+    workload: str
+    policy: str
+    settings: dict
+    env: dict = field(default_factory=dict)
+    status: str = "ok"
+    error: str | None = None
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    median_s: float | None = None
+    speedup: float | None = None  # over the baseline row
+    ci95: list[float] | None = None
+    rounds: int = 0
+    own_float32: float | None = None  # over its framework's float32 row with the same process settings
+    own_ci95: list[float] | None = None
+    gflops: float | None = None
+    roofline_share: float | None = None
+    loss: float | None = None  # after the last step shared with its framework's float32 row
+    float32_loss: float | None = None
+
+    @property
+    def label(self) -> str:
+        knobs = " ".join(f"{k}={v}" for k, v in sorted(self.settings.items()))
+        env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        return " ".join(x for x in (self.framework, self.policy, knobs, env) if x)
+
+
+def report_path(folder: Path, framework: str, workload: str) -> Path:
+    return folder / f"{framework}-{workload}.json"
+
+
+def ensure_reports(folder: Path, frameworks: list[str], workloads: list[str], budget: float, quick: bool,
+                   say: Callable[[str], None]) -> dict:  # fmt: skip
+    """Each (framework, workload)'s tune report, read from ``folder`` or made there by ``polyamp tune``."""
+    reports = {}
+    for fw in frameworks:
+        for wl in workloads:
+            path = report_path(folder, fw, wl)
+            if not path.exists():
+                say(f"no {path}: running polyamp tune --framework {fw} --workloads {wl} --budget {budget:g}")
+                cmd = [runner.interpreter(fw), "-m", "polyamp", "tune", "--framework", fw, "--workloads", wl,
+                       "--budget", str(budget), "--out", str(folder), *(["--quick"] if quick else [])]
+                done = subprocess.run(cmd, env=runner._env(), stdout=subprocess.DEVNULL)
+                if done.returncode != 0 or not path.exists():
+                    raise PolyampError(f"polyamp tune for {fw} {wl} failed (exit {done.returncode})")
+            reports[fw, wl] = json.loads(path.read_text(encoding="utf-8"))
+    return reports
+
+
+def rows_for(reports: dict, frameworks: list[str], workload: str) -> list[TunedRow]:
+    rows = []
+    for fw in frameworks:
+        tuned = reports[fw, workload]["tuned"]
+        for env in PROCESS_SETTINGS.get(fw, ({},)):
+            for policy in POLICIES:
+                if policy not in tuned:
+                    raise PolyampError(f"the tune report of {fw} {workload} has no {policy} configuration; "
+                                       f"it has {', '.join(tuned)}: run polyamp tune with --policies "
+                                       "bf16-mixed")  # fmt: skip
+                rows.append(TunedRow(fw, workload, policy, dict(tuned[policy]["settings"]), dict(env)))
+    return rows
+
+
+def run_workload(rows: list[TunedRow], quick: bool, steps: int, budget: float, timeout: float,
+                 tmp: Path, say: Callable[[str], None]) -> dict:  # fmt: skip
+    """Build every row in its own process, step them in rounds, fill in the rows; the rooflines."""
+    rooflines, procs = {}, {}
+    try:
+        for k, row in enumerate(rows):
+            python = runner.interpreter(row.framework)
+            served = Served(python, {**runner._env(), **row.env}, tmp / f"{row.workload}-{k}.log")
+            procs[k] = served
+            if row.framework not in rooflines:
+                say(f"{row.framework}: matmul peaks")
+                rooflines[row.framework] = _roofline(served, row.framework, quick, timeout)
+            say(f"build {row.label}")
+            try:
+                built = served.call(timeout, op="build_tuned", framework=row.framework, workload=row.workload,
+                                    policy=row.policy, settings=row.settings, quick=quick, env=list(row.env))
+            except CaseError as err:
+                row.status, row.error = err.status, err.error
+                continue
+            if built["env"] != row.env:
+                row.status, row.error = "failed", f"the row's process saw {built['env']}, not {row.env}"
+        live = {k: procs[k] for k, row in enumerate(rows) if row.status == "ok"}
+        say(f"{len(live)} rows in rounds ({budget:g} s of steps each)")
+        steppers = {k: (lambda i, p=p: p.call(timeout, op="step", i=i)["seconds"]) for k, p in live.items()}
+        times = run_rounds(steppers, steps, budget, count_warmup=not quick)
+        for k, t in times.items():
+            row = rows[k]
+            row.times = t.times
+            if t.status != "ok":
+                row.status, row.error = t.status, t.error
+                continue
+            row.losses = live[k].call(timeout, op="result", evaluate=False)["losses"]
+    finally:
+        for served in procs.values():
+            served.close()
+    _score(rows, times, rooflines, quick, steps)
+    return rooflines
+
+
+def _score(rows: list[TunedRow], times: dict, rooflines: dict, quick: bool, steps: int) -> None:
+    flops = train_step_flops(get_workload(rows[0].workload, quick=quick))
+    ok = [k for k, row in enumerate(rows) if row.status == "ok" and row.times]
+    for k in ok:
+        rows[k].median_s = statistics.median(rows[k].times)
+        s = share(rows[k].policy, flops, rows[k].median_s, rooflines.get(rows[k].framework))
+        rows[k].gflops, rows[k].roofline_share = s.achieved_gflops, s.share
+    base = baseline(rows)
+    for k in ok:
+        row = rows[k]
+        if base is not None:
+            ratio = paired_ratio(times[base], times[k], rows[base].label, LOCKSTEP)
+            if ratio is not None:
+                row.speedup, row.ci95, row.rounds = ratio.speedup, list(ratio.ci95 or []), ratio.rounds
+        own = next((j for j in ok if rows[j].framework == row.framework and rows[j].env == row.env
+                    and rows[j].policy == "float32"), None)  # fmt: skip
+        if own is None:
+            continue
+        if own != k:
+            ratio = paired_ratio(times[own], times[k], rows[own].label, LOCKSTEP)
+            if ratio is not None:
+                row.own_float32, row.own_ci95 = ratio.speedup, list(ratio.ci95 or [])
+        n = min(len(row.losses), len(rows[own].losses))
+        if n:
+            row.loss, row.float32_loss = row.losses[n - 1], rows[own].losses[n - 1]
+
+
+def baseline(rows: list[TunedRow]) -> int | None:
+    """The index of the float32 row with the lowest median step."""
+    fp32 = [k for k, r in enumerate(rows) if r.policy == "float32" and r.median_s is not None]
+    return min(fp32, key=lambda k: rows[k].median_s) if fp32 else None
+
+
+def verdict(rows: list[TunedRow]) -> dict:
+    """The fastest bf16 row against the fastest float32 row, paired, and the issue's 1.6x target."""
+    base = baseline(rows)
+    bf16 = [r for r in rows if r.policy != "float32" and r.speedup is not None]
+    if base is None or not bf16:
+        return {"workload": rows[0].workload, "met": None, "text": "no float32 or no bf16 row ran"}
+    best = max(bf16, key=lambda r: r.speedup)
+    met = best.speedup >= TARGET
+    interval = f" (95 % interval {best.ci95[0]:.2f}-{best.ci95[1]:.2f}, {best.rounds} rounds)" \
+        if best.ci95 else ""
+    text = (f"{rows[0].workload}: best bf16 [{best.label}] {best.median_s * 1e3:.1f} ms vs best float32 "
+            f"[{rows[base].label}] {rows[base].median_s * 1e3:.1f} ms: {best.speedup:.2f}x{interval}; "
+            f"target {TARGET}x {'met' if met else 'not met'}")  # fmt: skip
+    return {"workload": rows[0].workload, "best_bf16": best.label, "best_float32": rows[base].label,
+            "speedup": best.speedup, "ci95": best.ci95, "met": met, "text": text}  # fmt: skip
+
+
+def markdown(results: dict) -> str:
+    out = ["# polyamp compare --tuned", "", ABOUT, ""]
+    for wl, res in results["workloads"].items():
+        out += [f"## {wl}", "", "**" + res["verdict"]["text"] + "**", "",
+                "| row | median step ms | vs best fp32 (95 %) | vs own fp32 | GFLOP/s | share of peak | loss "
+                "(own fp32) | rounds |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in res["rows"]:
+            if r["status"] != "ok":
+                out.append(f"| {_label(r)} | {r['status']}: {(r['error'] or '')[:120]} | | | | | | |")
+                continue
+            ci = f" ({r['ci95'][0]:.2f}-{r['ci95'][1]:.2f})" if r["ci95"] else ""
+            own = f"{r['own_float32']:.2f}x" if r["own_float32"] else "—"
+            pct = f"{r['roofline_share']:.0%}" if r["roofline_share"] is not None else "n/a"
+            loss = f"{r['loss']:.4f} ({r['float32_loss']:.4f})" if r["loss"] is not None else "—"
+            out.append(f"| {_label(r)} | {r['median_s'] * 1e3:.1f} | {_x(r['speedup'])}{ci} | {own} | "
+                       f"{r['gflops']:.0f} | {pct} | {loss} | {r['rounds']} |")  # fmt: skip
+        peaks = ", ".join(f"{fw} fp32 {p['gflops'].get('float32', math.nan):.0f} / bf16 "
+                          f"{p['gflops'].get('bfloat16', math.nan):.0f}"
+                          for fw, p in res["rooflines"].items())  # fmt: skip
+        out += ["", f"Matmul peaks, GFLOP/s: {peaks}.", ""]
+    return "\n".join(out)
+
+
+def _label(r: dict) -> str:
+    return TunedRow(**{k: r[k] for k in ("framework", "workload", "policy", "settings", "env")}).label
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def run(frameworks: list[str] | None, workloads: list[str] | None, folder: Path, tune_budget: float,
+        quick: bool, steps: int | None, budget: float, timeout: float, out: Path,
+        say: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Reports in ``folder`` (made when missing), rows in rounds per workload; writes tuned.json/.md/.png."""
+    from ..tune import BUILT_ON
+
+    frameworks = frameworks or [f for f in BUILT_ON if runner.interpreter(f)]
+    for fw in frameworks:
+        if fw not in BUILT_ON:
+            raise PolyampError(f"compare --tuned takes frameworks that polyamp tune is built for "
+                               f"({', '.join(BUILT_ON)}); received {fw!r}")  # fmt: skip
+        runner._check_framework(fw)
+    workloads = workloads or ["mlp", "charlm"]
+    folder.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    reports = ensure_reports(folder, frameworks, workloads, tune_budget, quick, say)
+    results = {"frameworks": frameworks, "tuned_folder": str(folder), "budget_s": budget, "quick": quick,
+               "machine": runner.machine(), "workloads": {}}  # fmt: skip
+    for wl in workloads:
+        rows = rows_for(reports, frameworks, wl)
+        with tempfile.TemporaryDirectory() as tmp:
+            rooflines = run_workload(rows, quick, steps or TUNED_STEPS, budget, timeout, Path(tmp), say)
+        results["workloads"][wl] = {"rows": [asdict(r) for r in rows], "rooflines": rooflines,
+                                    "verdict": verdict(rows)}  # fmt: skip
+    results["total_s"] = round(time.perf_counter() - started, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tuned.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    (out / "tuned.md").write_text(markdown(results), encoding="utf-8")
+    from .plots import tuned_figure
+
+    tuned_figure(results).savefig(out / "tuned.png")
+    return results
+
+
+class TunedRun:
+    """A ``worker --serve`` process's tuned row: the front end's step for one tune configuration,
+    on the workload's tune inputs; ``step`` returns its seconds, ``result`` the losses so far."""
+
+    def __init__(self, framework: str, workload: str, policy: str, settings: dict, quick: bool,
+                 env: tuple[str, ...] = ()):
+        from ..tune import Candidate
+
+        front = importlib.import_module(f"polyamp.{framework}.tune")
+        inputs = importlib.import_module(f"polyamp.compare.{framework}").tune_inputs(workload, quick)
+        self.built = front.Tunable(*inputs, name=workload).build(Candidate.of(policy, settings))
+        self.losses: list[float] = []
+        self.env = {name: os.environ.get(name) for name in env}  # as this process saw them
+
+    def step(self, i: int) -> float:
+        t0 = time.perf_counter()
+        loss = float(self.built.step(i))
+        seconds = time.perf_counter() - t0
+        self.losses.append(loss)
+        return seconds
+
+    def result(self, evaluate: bool) -> dict:
+        return {"losses": self.losses}
