@@ -30,7 +30,7 @@ def _rows_and_times():
 
 def test_every_row_is_paired_with_the_fastest_float32_row_of_any_framework():
     rows, times, rooflines, seconds = _rows_and_times()
-    tuned._score(rows, times, rooflines, quick=True, steps=5)
+    tuned._score(rows, times, rooflines, quick=True)
     assert tuned.baseline(rows) == 2  # jax float32: median 0.305 s beats torch's 0.415 s
     for k, row in enumerate(rows):
         want = statistics.median(b / c for b, c in zip(seconds[2], seconds[k]))
@@ -51,7 +51,7 @@ def test_a_failed_row_is_kept_with_its_error_and_leaves_the_verdict():
     rows, times, rooflines, _ = _rows_and_times()
     rows[1].status, rows[1].error, rows[1].times = "failed", "RuntimeError: boom", []
     times[1] = PolicyTimes(status="failed", error="RuntimeError: boom")
-    tuned._score(rows, times, rooflines, quick=True, steps=5)
+    tuned._score(rows, times, rooflines, quick=True)
     assert rows[1].speedup is None and tuned.verdict(rows)["best_bf16"] == rows[3].label
     result = {"rows": [tuned.asdict(r) for r in rows], "rooflines": rooflines, "verdict": tuned.verdict(rows)}
     text = tuned.markdown({"workloads": {"mlp": result}})

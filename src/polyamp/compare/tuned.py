@@ -149,15 +149,19 @@ def run_workload(rows: list[TunedRow], quick: bool, steps: int, budget: float, t
             if t.status != "ok":
                 row.status, row.error = t.status, t.error
                 continue
-            row.losses = live[k].call(timeout, op="result", evaluate=False)["losses"]
+            try:
+                row.losses = live[k].call(timeout, op="result", evaluate=False)["losses"]
+            except CaseError as err:  # its process died after its last step: its times still count
+                row.error = f"no losses: {err.error}"
     finally:
         for served in procs.values():
             served.close()
-    _score(rows, times, rooflines, quick, steps)
+    _score(rows, times, rooflines, quick)
     return rooflines
 
 
-def _score(rows: list[TunedRow], times: dict, rooflines: dict, quick: bool, steps: int) -> None:
+def _score(rows: list[TunedRow], times: dict, rooflines: dict, quick: bool) -> None:
+    """Each row's median, roofline share, paired speed-ups and loss beside its float32 row."""
     flops = train_step_flops(get_workload(rows[0].workload, quick=quick))
     ok = [k for k, row in enumerate(rows) if row.status == "ok" and row.times]
     for k in ok:
