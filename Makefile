@@ -46,7 +46,7 @@ test: venv venv-mxnet
 	POLYAMP_TEST_FRAMEWORKS=mxnet $(MXNET_PY) -m pytest -q tests/test_mxnet.py tests/test_contract.py tests/test_front_ends.py tests/test_compare_workloads.py \
 		tests/test_formats.py tests/test_rounding.py tests/test_policy.py tests/test_scaling.py tests/test_import.py \
 		tests/test_doctor_core.py tests/test_doctor_chain.py tests/test_doctor_mxnet.py tests/test_blocks.py tests/test_recipes.py tests/test_mxnet_recipes.py tests/test_mxnet_recipe_conv.py \
-		tests/test_hadamard.py tests/test_doctor_blocks.py
+		tests/test_hadamard.py tests/test_doctor_blocks.py tests/test_mxnet_tune.py
 
 bench: venv
 	$(PY) benchmarks/quantize.py

@@ -72,7 +72,7 @@ def test_a_report_without_a_bf16_configuration_is_refused_by_name():
 
 @pytest.mark.parametrize("argv, message", [
     (["--policies", "fp16-mixed"], "takes no --policies"),
-    (["--frameworks", "mxnet"], "frameworks that polyamp tune is built for"),
+    (["--frameworks", "caffe"], "frameworks that polyamp tune is built for"),
 ])  # fmt: skip
 def test_bad_options_are_refused_with_exit_2(tmp_path, argv, message):
     cmd = [sys.executable, "-m", "polyamp", "compare", "--tuned", str(tmp_path), "--quick", *argv]

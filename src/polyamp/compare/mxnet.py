@@ -307,5 +307,37 @@ class Trainer(TrainerBase):
         return Saved(activations, copies, how)
 
 
+def tune_inputs(name: str, quick: bool = False) -> tuple:
+    """A workload as ``polyamp.mxnet.tune``'s arguments: the maker ``tune_model`` and its keyword
+    arguments (MXNet's AMP is process-wide, so each policy builds the network in its own process)."""
+    return "polyamp.compare.mxnet:tune_model", {"name": name, "quick": quick}
+
+
+def tune_model(name: str, quick: bool = False) -> tuple:
+    """The workload's float32 network (not hybridized: choosing that is tune's job), its batches
+    (cycled), its loss on the output cast to float32, and Adam with the workload's learning rate."""
+    from .workloads import get_workload
+
+    wl = get_workload(name, quick=quick)
+    mx.random.seed(wl.seed)
+    net = _NETWORKS[wl.architecture](wl)
+    net.initialize()
+    _load(net, wl.weights)
+    extra = [net.mask] if hasattr(net, "mask") else []
+    ce = gluon.loss.SoftmaxCrossEntropyLoss(axis=-1)
+
+    def batch(i: int):
+        x, y = wl.batch_at(i % wl.steps)
+        return [mx.nd.array(x, dtype="float32"), *extra], mx.nd.array(y, dtype="float32")
+
+    def loss_fn(out, target):
+        out = mx.nd.amp_cast(out, dtype="float32")
+        if wl.loss_kind == "mse":
+            return mx.nd.mean(mx.nd.square(out - target))
+        return mx.nd.mean(ce(out, target))
+
+    return net, batch, loss_fn, ("adam", {"learning_rate": wl.lr})
+
+
 def versions() -> dict[str, str]:
     return {"mxnet": mx.__version__}

@@ -10,13 +10,17 @@ Knobs (the first value is the default):
   kernel per step; CPU and CUDA since torch 2.4) for optimizers that take those flags;
 - ``compile``: ``torch.compile`` of the model (TorchInductor), off / on;
 - ``threads``: intra-op threads, ``torch.get_num_threads()`` / half of them;
-- ``channels_last``: for a model with 2-d convolutions, its memory format, off / on.
+- ``channels_last``: for a model with 2-d convolutions, its memory format, off / on;
+- ``attention``: for a model that calls ``scaled_dot_product_attention`` (or has an
+  ``nn.MultiheadAttention``), torch's choice of kernel (``default``: flash attention on CPU) or its
+  ``math`` one (matmuls and a softmax, ``torch.nn.attention.sdpa_kernel``).
 
 ``apply(report, model, optimizer)`` returns ``(mp, model, optimizer)`` set up as the report's best.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from collections.abc import Callable
@@ -46,7 +50,32 @@ def knobs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
         out["threads"] = Knob((n, n // 2), "{value} intra-op threads")
     if any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
         out["channels_last"] = Knob((False, True), "channels-last memory format {value} for the convolutions")
+    if _uses_attention(model):
+        out["attention"] = Knob(("default", "math"), "scaled_dot_product_attention's {value} kernel")
     return out
+
+
+def _uses_attention(model: torch.nn.Module) -> bool:
+    """Whether a module is an ``nn.MultiheadAttention`` or its class's ``forward`` calls
+    ``scaled_dot_product_attention`` (read from its source, where there is one)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.MultiheadAttention):
+            return True
+        try:
+            if "scaled_dot_product_attention" in inspect.getsource(type(m).forward):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def _attention(kernel: str):
+    """The context a step runs in for the ``attention`` knob's value."""
+    if kernel == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 class Tunable:
@@ -93,6 +122,7 @@ class _Step:
         self.model = model
         self.forward = torch.compile(model) if s.get("compile") else model
         self.threads = s.get("threads")
+        self.attention = s.get("attention", "default")
 
     def step(self, i: int) -> float:
         before = torch.get_num_threads()
@@ -101,10 +131,11 @@ class _Step:
         try:
             x, y = _split(self.tunable.batch(i))
             self.optimizer.zero_grad(set_to_none=True)
-            with self.mp.autocast():
-                out = _call(self.forward, x)
-                loss = _loss(self.tunable.loss_fn, out, y)
-            self.mp.backward(loss)
+            with _attention(self.attention):
+                with self.mp.autocast():
+                    out = _call(self.forward, x)
+                    loss = _loss(self.tunable.loss_fn, out, y)
+                self.mp.backward(loss)
             self.mp.step(self.optimizer)
             return float(loss.detach())
         finally:
@@ -175,7 +206,8 @@ def tune(model, batch, loss_fn, optimizer, *, policies=("bf16-mixed",), budget_s
 def apply(report, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """``(mp, model, optimizer)`` configured as ``report.best``: the policy's ``MixedPrecision`` watching
     the model (compiled if chosen), the optimizer rebuilt in the chosen implementation, the thread count
-    set for the process."""
+    set for the process, and the chosen attention kernel around the model's forward (its backward
+    follows the kernel the forward ran)."""
     if report.framework != "torch":
         raise PolyampError(f"this report tuned {report.framework}, not torch")
     s = report.settings
@@ -186,4 +218,12 @@ def apply(report, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         torch.set_num_threads(int(s["threads"]))
     mp = MixedPrecision(report.policy, framework="torch", device=next(model.parameters()).device.type)
     mp.watch(model)
+    if s.get("attention", "default") != "default":
+        inner, kernel = model.forward, s["attention"]
+
+        def forward(*args, **kwargs):
+            with _attention(kernel):
+                return inner(*args, **kwargs)
+
+        model.forward = forward
     return mp, (torch.compile(model) if s.get("compile") else model), optimizer

@@ -4,8 +4,9 @@
 (this package is callable) hands the model to its framework's front end (``polyamp.<framework>.tune``),
 which says which knobs it has and builds one training step per configuration; ``search.py`` tries them
 one knob at a time against float32's loss and in paired timing rounds, and returns a ``TuneReport``
-(``report.py``); ``search.tune(tunable, ...)`` runs it on any ``space.Tunable``. Nothing here imports a
-framework.
+(``report.py``); ``search.tune(tunable, ...)`` runs it on any ``space.Tunable``. MXNet takes its model
+as a maker string, ``polyamp.tune("file.py:make", kwargs)``: its AMP is process-wide, so each policy
+builds the model in a process of its own (``polyamp/mxnet/tune.py``). Nothing here imports a framework.
 """
 
 import importlib
@@ -19,11 +20,13 @@ from .report import Final, Trial, TuneReport
 from .space import TUNE_POLICIES, Candidate, Knob
 
 __all__ = ["TUNE_POLICIES", "Candidate", "Final", "Knob", "Trial", "TuneReport", "run", "search"]
-BUILT_ON = ("torch", "jax", "tensorflow")
+BUILT_ON = ("torch", "jax", "tensorflow", "mxnet")
 
 
 def run(model, *args, framework: str | None = None, **kwargs) -> TuneReport:
     """``polyamp.tune(...)``: the model's front end's ``tune`` (module docstring)."""
+    if isinstance(model, str) and framework is None:
+        framework = "mxnet"  # a maker "module:function": MXNet's way (polyamp/mxnet/tune.py)
     if framework is None and callable(model) and _detect(model) is None:
         raise PolyampError("polyamp.tune got a function as its model (Keras's make_model): say which "
                            "framework builds it, e.g. framework='tensorflow'")  # fmt: skip

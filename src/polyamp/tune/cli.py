@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -43,9 +44,18 @@ def tune(args) -> int:
     if framework not in BUILT_ON:
         raise PolyampError(f"polyamp tune is built for {', '.join(BUILT_ON)} so far; received --framework "
                            f"{args.framework}")  # fmt: skip
+    if importlib.util.find_spec(framework) is None:
+        from ..compare.runner import HOW_TO_INSTALL
+
+        how = ("MXNet needs numpy<1.24, so it lives in its own environment (make venv-mxnet): run "
+               ".venv-mxnet/bin/python -m polyamp tune --framework mxnet") if framework == "mxnet" \
+            else HOW_TO_INSTALL[framework]  # fmt: skip
+        raise PolyampError(f"{framework} is not installed in this Python ({sys.executable}): {how}")
     policies = check_policies([p for p in args.policies.split(",") if p])
     front = importlib.import_module(f"polyamp.{framework}.tune")
-    if args.target:
+    if args.target and framework == "mxnet":  # built in a worker process per policy: passed as the maker
+        models = {args.target: lambda: (args.target,)}
+    elif args.target:
         from ..doctor.cli import _from_file
 
         model, batch, loss_fn, optimizer, found = _from_file(args.target, framework)
@@ -66,8 +76,12 @@ def tune(args) -> int:
         tunable = front.Tunable(*make(), name=name)
         if args.knobs is not None:
             tunable.knobs = _chosen(tunable.knobs, args.knobs)
-        with _progress(f"tune {name}", args.json) as progress:
-            report = search(tunable, policies, args.budget, args.parity_steps, args.rtol, progress=progress)
+        try:
+            with _progress(f"tune {name}", args.json) as progress:
+                report = search(tunable, policies, args.budget, args.parity_steps, args.rtol,
+                                progress=progress)  # fmt: skip
+        finally:
+            getattr(tunable, "close", lambda: None)()  # MXNet's worker processes
         path = out / f"{framework}-{Path(name.split(':')[0]).stem}.json"
         report.save(path)
         reports.append(report)

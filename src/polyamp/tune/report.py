@@ -117,7 +117,8 @@ class TuneReport:
         """The best configuration applied in the framework's idiom (torch: ``report.apply(model,
         optimizer)`` -> ``(mp, model, optimizer)``; jax: ``report.apply(loss_fn, optimizer)`` -> ``(mp,
         loss, step)``; tensorflow: ``report.apply(make_model, optimizer)`` -> ``(mp, model, optimizer,
-        jit_compile)``; ``polyamp.<framework>.tune.apply``)."""
+        jit_compile)``; mxnet: ``report.apply("file.py:make")`` -> ``(mp, net, step)``;
+        ``polyamp.<framework>.tune.apply``)."""
         return importlib.import_module(f"polyamp.{self.framework}.tune").apply(self, *args, **kwargs)
 
     def reasons(self) -> list[str]:
