@@ -155,3 +155,22 @@ def test_bad_arguments_are_one_clear_error():
     with pytest.raises(PolyampError, match="float32 reference's loss after 3 steps is nan"):
         run(nan)
     assert check_policies("bf16") == ("float32", "bf16-mixed")
+
+
+def test_a_choice_the_final_rounds_find_slower_is_reverted_and_said():
+    knobs = {"trick": Knob((False, True), "trick {value}")}
+
+    def cost(c):  # the trick is fast while it is searched (2 builds), slow once the final rounds build it
+        return (5 * MS if len(t.built) <= 2 else 40 * MS) if c.get("trick") else 20 * MS
+
+    t = Sleeper(knobs, cost)
+    report = run(t, policies=(), budget_s=6.0)
+    assert [tr.status for tr in report.trials] == ["chosen", "reverted"]
+    reverted = [tr for tr in report.trials if tr.status == "reverted"]
+    assert len(reverted) == 1 and reverted[0].ci95[1] < 1 and reverted[0].speedup < 0.8
+    assert report.tuned["float32"] == Candidate.of("float32", {"trick": False})
+    assert report.best == Candidate.of("float32", {"trick": False})
+    reasons = report.reasons()
+    assert len(reasons) == 1 and "reverted: in the final rounds it ran" in reasons[0]
+    assert "reverted" in STATUSES
+    assert json.loads(json.dumps(report.to_json()))["trials"][-1]["status"] == "reverted"

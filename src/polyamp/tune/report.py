@@ -15,14 +15,15 @@ from ..compare.timing import bootstrap_ci
 from ..errors import PolyampError
 from .space import Candidate, Knob, _text
 
-STATUSES = ("ok", "chosen", "no gain", "slower", "parity", "failed", "not tried")
+STATUSES = ("ok", "chosen", "no gain", "slower", "parity", "failed", "not tried", "reverted")
 
 
 @dataclass
 class Trial:
     """One configuration tried against ``baseline`` (the one it would replace; None for a policy's
     default, checked against the float32 reference). ``status``: ``ok`` (a policy default with parity),
-    ``chosen``, ``no gain``, ``slower``, ``parity`` (loss beyond tolerance), ``failed``, ``not tried``."""
+    ``chosen``, ``no gain``, ``slower``, ``parity`` (loss beyond tolerance), ``failed``, ``not tried``,
+    ``reverted`` (a tuned configuration the final rounds found slower than its default)."""
 
     candidate: Candidate
     baseline: Candidate | None
@@ -87,7 +88,9 @@ class TuneReport:
 
     @property
     def best(self) -> Candidate:
-        timed = [f for f in self.final if f.step_s is not None and f.error is None]
+        """The fastest tuned configuration (per policy: ``tuned``) in the final rounds."""
+        tuned = set(self.tuned.values())
+        timed = [f for f in self.final if f.step_s is not None and f.error is None and f.candidate in tuned]
         if not timed:
             raise PolyampError(f"tune of {self.name} timed no configuration in its final rounds")
         return min(timed, key=lambda f: f.step_s).candidate
@@ -110,8 +113,9 @@ class TuneReport:
         return (statistics.median(ratios), bootstrap_ci(ratios)) if ratios else None
 
     def _final(self, policy: str) -> Final | None:
-        by_key = {f.key: f for f in self.final if f.error is None}
-        return by_key.get(f"{policy} tuned") or by_key.get(f"{policy} default")
+        """The final rounds' entry of ``policy``'s tuned configuration."""
+        mine = self.tuned.get(policy)
+        return next((f for f in self.final if f.error is None and f.candidate == mine), None)
 
     def apply(self, *args, **kwargs):
         """The best configuration applied in the framework's idiom (torch: ``report.apply(model,
@@ -122,12 +126,16 @@ class TuneReport:
         return importlib.import_module(f"polyamp.{self.framework}.tune").apply(self, *args, **kwargs)
 
     def reasons(self) -> list[str]:
-        """One sentence per chosen setting, with its measured gain."""
+        """One sentence per chosen setting in effect, with its measured gain; one per reverted policy."""
         out = []
         for t in self.trials:
+            if t.status == "reverted":
+                out.append(f"{t.candidate.policy}: {t.candidate.label} reverted: {t.reason}.")
             if t.status != "chosen":
                 continue
             ((knob, value),) = [(k, v) for k, v in t.candidate.settings if dict(t.baseline.settings)[k] != v]
+            if self.tuned[t.candidate.policy].get(knob) != value:  # replaced later, or reverted
+                continue
             why = self.knobs[knob].why.format(value=_text(value)) if knob in self.knobs else f"{knob}={value}"
             lo, hi = t.ci95
             out.append(f"{t.candidate.policy}: {knob}={_text(value)}: {why}; measured {t.speedup:.2f}x "

@@ -21,7 +21,9 @@ paired rounds against the configuration it would replace.
 4. Finally every policy's default and tuned configurations (of the policies whose default kept
    parity) are stepped side by side in one set of rounds: each one's paired speed-up over the float32
    default, and the best tuned low-precision step over the best tuned float32 step, from the same
-   rounds.
+   rounds. A tuned configuration that these rounds find slower than its policy's default (the 95 %
+   interval of default seconds / tuned seconds entirely below 1: choices that held in their own rounds
+   but not together) is reverted to the default, and listed as a ``reverted`` trial with the figures.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def tune(tunable: Tunable, policies: Sequence[str] = ("bf16-mixed",), budget_s: 
     done = total - 1
     tell("side by side: default and tuned configurations")
     final = _final(tunable, policies, base, tuned, max(budget_s - (time.monotonic() - start), 0.05))
+    trials += _revert_slower(final, tuned, base)
     return TuneReport(framework=tunable.framework, name=tunable.name, policies=policies, knobs=tunable.knobs,
                       trials=trials, tuned=tuned, final=final, budget_s=budget_s,
                       spent_s=time.monotonic() - start, parity_steps=parity_steps, rtol=rtol,
@@ -255,6 +258,28 @@ def _final(tunable: Tunable, policies, base: dict[str, Any], tuned: dict[str, Ca
                          None if ratio is None else ratio.speedup, None if ratio is None else ratio.ci95,
                          failures.get(key) or (t.error if t is not None and t.status != "ok" else None),
                          t.times if t is not None else []))  # fmt: skip
+    return out
+
+
+def _revert_slower(final: list[Final], tuned: dict[str, Candidate], base: dict[str, Any]) -> list[Trial]:
+    """Each policy whose tuned configuration the final rounds find slower than its default (module
+    docstring, step 4): ``tuned`` set back to the default, and a ``reverted`` trial saying why."""
+    by_key = {f.key: f for f in final if f.error is None and f.times}
+    out = []
+    for policy in list(tuned):
+        default, mine = by_key.get(f"{policy} default"), by_key.get(f"{policy} tuned")
+        if default is None or mine is None:
+            continue
+        ratio = paired_ratio(PolicyTimes(times=default.times), PolicyTimes(times=mine.times), "default",
+                             "rounds in one process")  # fmt: skip
+        if ratio is None or ratio.ci95 is None or ratio.ci95[1] >= 1:
+            continue
+        lo, hi = ratio.ci95
+        out.append(Trial(tuned[policy], Candidate.of(policy, base), "reverted",
+                         f"in the final rounds it ran {ratio.speedup:.2f}x its policy's default (95 % "
+                         f"interval {lo:.2f}-{hi:.2f}, {ratio.rounds} rounds): the default is kept",
+                         speedup=ratio.speedup, ci95=ratio.ci95, rounds=ratio.rounds))  # fmt: skip
+        tuned[policy] = Candidate.of(policy, base)
     return out
 
 
