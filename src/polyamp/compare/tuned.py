@@ -4,10 +4,12 @@ For each workload, each framework that ``polyamp tune`` is built for gives two r
 and its tuned bf16-mixed configuration, read from ``FOLDER/<framework>-<workload>.json`` (a saved
 :class:`~polyamp.tune.TuneReport`), or made there first by ``polyamp tune`` in a child process. torch's
 rows come twice more with ``THP_MEM_ALLOC_ENABLE=1``: torch then backs each CPU allocation of 2 MB or
-more with transparent huge pages, which saves the page faults of the step's fresh weight casts and
-gradients; torch reads that variable once per process, so tune's in-process search cannot try it.
+more with transparent huge pages, which can save the page faults of the step's fresh weight casts and
+gradients (on this project's machine not consistently: docs/BENCHMARKS.md); torch reads that variable
+once per process, so tune's in-process search cannot try it.
 
-Every row is built in its own ``worker --serve`` process from the same workload weights and batches.
+Every row is built in its own ``worker --serve`` process from its framework's tune inputs (the rows of
+a framework from the same weights and batches).
 Each framework's first process measures the matmul peaks (``roofline.py``) before it builds anything.
 The rows then step in interleaved rounds driven from this process (``timing.run_rounds``), so every
 speed-up is paired: the median over shared rounds of (baseline seconds / row seconds), with its 95 %
@@ -44,7 +46,8 @@ TARGET = 1.6  # issue 16: the best bf16 step of any framework over the best floa
 TUNED_STEPS = 40
 PROCESS_SETTINGS = {"torch": ({}, {"THP_MEM_ALLOC_ENABLE": "1"})}  # each row once per setting
 ABOUT = ("Each framework's tuned float32 and bf16-mixed configurations (its `polyamp tune` reports), each in "
-         "its own process from the same weights and batches, stepped in interleaved rounds. *vs best fp32*: "
+         "its own process (a framework's rows from the same weights and batches), stepped in interleaved "
+         "rounds. *vs best fp32*: "
          "the median over shared rounds of (fastest float32 row's seconds / the row's), with its 95 % "
          "bootstrap interval; *vs own fp32*: the same against its framework's float32 row; *share of peak*: "
          "model matmul FLOPs per step over the median step, over the framework's measured matmul peak for "
