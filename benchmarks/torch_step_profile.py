@@ -1,7 +1,8 @@
 """Where a torch training step's time goes: torch.profiler's self CPU time per operator, per step.
 
     python benchmarks/torch_step_profile.py [--workload mlp|charlm] [--policy bf16-mixed]
-                                            [--optimizer fused|foreach|default] [--steps 3]
+                                            [--optimizer fused|foreach|default] [--compile]
+                                            [--steps 3]
 
 The compare workload's network, batches and loss (``compare/torch.py::tune_inputs``), Adam in the
 chosen implementation, the policy's ``MixedPrecision`` step (autocast, backward, step); three warm-up
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--workload", default="mlp")
     parser.add_argument("--policy", default="bf16-mixed")
     parser.add_argument("--optimizer", default="fused", choices=("fused", "foreach", "default"))
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=10)
     args = parser.parse_args()
@@ -37,12 +39,13 @@ def main() -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=optimizer.defaults["lr"],
                                      **{args.optimizer: True})  # fmt: skip
     mp = pa.MixedPrecision(args.policy, framework="torch", device="cpu")
+    forward = torch.compile(model) if args.compile else model
 
     def step(i: int) -> None:
         x, y = batch(i)
         optimizer.zero_grad(set_to_none=True)
         with mp.autocast():
-            loss = loss_fn(model(x), y)
+            loss = loss_fn(forward(x), y)
         mp.backward(loss)
         mp.step(optimizer)
 
@@ -54,7 +57,7 @@ def main() -> None:
         step(i)
         seconds.append(time.perf_counter() - t0)
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
-    print(f"{args.workload} {args.policy} Adam {args.optimizer}, THP_MEM_ALLOC_ENABLE={thp}: "
+    print(f"{args.workload} {args.policy} Adam {args.optimizer}{' compiled' if args.compile else ''}, THP_MEM_ALLOC_ENABLE={thp}: "
           f"median step {statistics.median(seconds) * 1e3:.1f} ms over 8")  # fmt: skip
     with profile() as prof:
         for i in range(args.steps):

@@ -148,6 +148,26 @@ def test_the_attention_knob_picks_the_kernel_and_keeps_the_loss():
         applied(batches(0)[0])
 
 
+def test_the_math_kernel_runs_inside_a_compiled_model():
+    """The kernel choice is traced with the forward: a compiled bf16 step with ``math`` runs no flash
+    attention (a context entered around a compiled call would leave flash attention in the graph). In
+    float32, inductor's attention-fusion pass may rewrite the math pattern into flash attention again."""
+    from torch.profiler import profile
+
+    torch.manual_seed(0)
+    model = _SelfAttention()
+    t = tt.Tunable(model, batches, nn.functional.mse_loss, torch.optim.Adam(model.parameters(), 1e-2))
+    ops = {}
+    for kernel in ("default", "math"):
+        step = t.build(Candidate.of("bf16-mixed", {**tt_defaults(t), "compile": True, "attention": kernel}))
+        step.step(0)
+        with profile() as prof:
+            step.step(1)
+        ops[kernel] = {e.key for e in prof.key_averages()}
+    assert any("flash_attention" in op for op in ops["default"])
+    assert not any("flash_attention" in op for op in ops["math"])
+
+
 def test_tune_dispatches_and_refuses_bad_input():
     model = mlp()
     opt = torch.optim.Adam(model.parameters())

@@ -20,7 +20,6 @@ Knobs (the first value is the default):
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 from collections.abc import Callable
@@ -69,13 +68,21 @@ def _uses_attention(model: torch.nn.Module) -> bool:
     return False
 
 
-def _attention(kernel: str):
-    """The context a step runs in for the ``attention`` knob's value."""
+def _attend(model: torch.nn.Module, kernel: str) -> None:
+    """Run ``model``'s forward inside the ``attention`` knob's kernel choice. The choice wraps the forward
+    itself (an instance attribute), so that ``torch.compile(model)`` traces it: a context entered around
+    a compiled call is not seen by the compiled graph. The backward follows the kernel the forward ran."""
     if kernel == "default":
-        return contextlib.nullcontext()
+        return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.MATH])
+    inner = model.forward
+
+    def forward(*args, **kwargs):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return inner(*args, **kwargs)
+
+    model.forward = forward
 
 
 class Tunable:
@@ -120,9 +127,9 @@ class _Step:
         self.mp = MixedPrecision(candidate.policy, framework="torch", device=tunable.device)
         self.mp.watch(model)
         self.model = model
+        _attend(model, s.get("attention", "default"))
         self.forward = torch.compile(model) if s.get("compile") else model
         self.threads = s.get("threads")
-        self.attention = s.get("attention", "default")
 
     def step(self, i: int) -> float:
         before = torch.get_num_threads()
@@ -131,11 +138,10 @@ class _Step:
         try:
             x, y = _split(self.tunable.batch(i))
             self.optimizer.zero_grad(set_to_none=True)
-            with _attention(self.attention):
-                with self.mp.autocast():
-                    out = _call(self.forward, x)
-                    loss = _loss(self.tunable.loss_fn, out, y)
-                self.mp.backward(loss)
+            with self.mp.autocast():
+                out = _call(self.forward, x)
+                loss = _loss(self.tunable.loss_fn, out, y)
+            self.mp.backward(loss)
             self.mp.step(self.optimizer)
             return float(loss.detach())
         finally:
@@ -218,12 +224,5 @@ def apply(report, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         torch.set_num_threads(int(s["threads"]))
     mp = MixedPrecision(report.policy, framework="torch", device=next(model.parameters()).device.type)
     mp.watch(model)
-    if s.get("attention", "default") != "default":
-        inner, kernel = model.forward, s["attention"]
-
-        def forward(*args, **kwargs):
-            with _attention(kernel):
-                return inner(*args, **kwargs)
-
-        model.forward = forward
+    _attend(model, s.get("attention", "default"))
     return mp, (torch.compile(model) if s.get("compile") else model), optimizer
