@@ -2,7 +2,7 @@
 
     python benchmarks/torch_step_profile.py [--workload mlp|charlm] [--policy bf16-mixed]
                                             [--optimizer fused|foreach|default] [--compile]
-                                            [--steps 3]
+                                            [--allocator default|heap] [--steps 3]
 
 The compare workload's network, batches and loss (``compare/torch.py::tune_inputs``), Adam in the
 chosen implementation, the policy's ``MixedPrecision`` step (autocast, backward, step); three warm-up
@@ -23,6 +23,7 @@ from torch.profiler import profile
 
 import polyamp as pa
 from polyamp.compare.torch import tune_inputs
+from polyamp.tune import allocator
 
 
 def main() -> None:
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--policy", default="bf16-mixed")
     parser.add_argument("--optimizer", default="fused", choices=("fused", "foreach", "default"))
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--allocator", default="default", choices=allocator.MODES, help="glibc malloc's mode")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=10)
     args = parser.parse_args()
@@ -39,6 +41,8 @@ def main() -> None:
         optimizer = torch.optim.Adam(model.parameters(), lr=optimizer.defaults["lr"],
                                      **{args.optimizer: True})  # fmt: skip
     mp = pa.MixedPrecision(args.policy, framework="torch", device="cpu")
+    if args.allocator != "default":
+        allocator.use(args.allocator)
     forward = torch.compile(model) if args.compile else model
 
     def step(i: int) -> None:
@@ -57,8 +61,10 @@ def main() -> None:
         step(i)
         seconds.append(time.perf_counter() - t0)
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "unset")
-    print(f"{args.workload} {args.policy} Adam {args.optimizer}{' compiled' if args.compile else ''}, THP_MEM_ALLOC_ENABLE={thp}: "
-          f"median step {statistics.median(seconds) * 1e3:.1f} ms over 8")  # fmt: skip
+    compiled = " compiled" if args.compile else ""
+    median = statistics.median(seconds) * 1e3
+    print(f"{args.workload} {args.policy} Adam {args.optimizer}{compiled}, allocator {args.allocator}, "
+          f"THP_MEM_ALLOC_ENABLE={thp}: median step {median:.1f} ms over 8")  # fmt: skip
     with profile() as prof:
         for i in range(args.steps):
             step(i)
