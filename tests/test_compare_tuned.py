@@ -11,6 +11,7 @@ from frameworks import require
 from polyamp.compare import tuned
 from polyamp.compare.timing import PolicyTimes
 from polyamp.errors import PolyampError
+from polyamp.tune import allocator
 
 
 def _rows_and_times():
@@ -62,12 +63,30 @@ def test_a_report_without_a_bf16_configuration_is_refused_by_name():
     report = {"tuned": {"float32": {"policy": "float32", "settings": {}}}}
     with pytest.raises(PolyampError, match="torch mlp has no bf16-mixed configuration.*--policies"):
         tuned.rows_for({("torch", "mlp"): report}, ["torch"], "mlp")
-    # torch's rows come once more with THP_MEM_ALLOC_ENABLE=1, a per-process setting
+    # every row comes once more in glibc malloc's heap mode, a process setting
     report["tuned"]["bf16-mixed"] = {"policy": "bf16-mixed", "settings": {"optimizer": "fused"}}
     rows = tuned.rows_for({("torch", "mlp"): report}, ["torch"], "mlp")
     assert [(r.policy, r.env) for r in rows] == [("float32", {}), ("bf16-mixed", {}),
-                                                 ("float32", {"THP_MEM_ALLOC_ENABLE": "1"}),
-                                                 ("bf16-mixed", {"THP_MEM_ALLOC_ENABLE": "1"})]  # fmt: skip
+                                                 ("float32", allocator.ENV), ("bf16-mixed", allocator.ENV)]
+
+
+def test_a_heap_mode_row_is_paired_with_its_twin_and_its_own_float32_row():
+    rows = [tuned.TunedRow("torch", "mlp", p, {}, env) for env in ({}, allocator.ENV)
+            for p in ("float32", "bf16-mixed")]  # fmt: skip
+    seconds = {0: [0.40, 0.42, 0.41], 1: [0.20, 0.22, 0.19], 2: [0.36, 0.40, 0.38], 3: [0.15, 0.17, 0.16]}
+    for k, row in enumerate(rows):
+        row.times, row.losses = seconds[k], [1.0, 0.9]
+    times = {k: PolicyTimes(warmup_s=1.0, times=v) for k, v in seconds.items()}
+    tuned._score(rows, times, {}, quick=True)
+    assert rows[0].vs_as_started is None and rows[1].vs_as_started is None
+    for heap, twin in ((2, 0), (3, 1)):
+        want = statistics.median(a / b for a, b in zip(seconds[twin], seconds[heap]))
+        assert rows[heap].vs_as_started == pytest.approx(want)
+    own = statistics.median(a / b for a, b in zip(seconds[2], seconds[3]))  # heap bf16 over heap float32
+    assert rows[3].own_float32 == pytest.approx(own) and tuned.baseline(rows) == 2
+    text = tuned.markdown({"workloads": {"mlp": {"rows": [tuned.asdict(r) for r in rows], "rooflines": {},
+                                                 "verdict": tuned.verdict(rows)}}})  # fmt: skip
+    assert f"| {rows[3].label} |" in text and "GLIBC_TUNABLES=glibc.malloc.mmap_max=0" in rows[3].label
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -94,8 +113,8 @@ def test_the_command_tunes_what_is_missing_and_steps_every_row_in_its_own_proces
     assert (out / "tuned.png").stat().st_size > 10_000 and "## mlp" in (out / "tuned.md").read_text()
     res = results["workloads"]["mlp"]
     assert [(r["policy"], r["env"]) for r in res["rows"]] == [
-        ("float32", {}), ("bf16-mixed", {}), ("float32", {"THP_MEM_ALLOC_ENABLE": "1"}),
-        ("bf16-mixed", {"THP_MEM_ALLOC_ENABLE": "1"})]  # fmt: skip
+        ("float32", {}), ("bf16-mixed", {}), ("float32", allocator.ENV), ("bf16-mixed", allocator.ENV)]
+    assert [r["vs_as_started"] is None for r in res["rows"]] == [True, True, False, False]
     for r in res["rows"]:
         assert r["status"] == "ok" and len(r["times"]) == 5 and r["rounds"] == 5
         assert abs(r["loss"] - r["float32_loss"]) <= 0.05 * abs(r["float32_loss"])

@@ -15,7 +15,7 @@ import polyamp as pa
 from polyamp import PolyampError
 from polyamp.cli import main
 from polyamp.torch import tune as tt
-from polyamp.tune import Candidate, allocator
+from polyamp.tune import Candidate
 from polyamp.tune.report import STATUSES
 from polyamp.tune.search import tune as search
 
@@ -198,23 +198,3 @@ def test_the_command_line_tunes_a_quick_workload(tmp_path, capsys):
     if importlib.util.find_spec("mxnet") is None:  # .venv: MXNet lives in .venv-mxnet
         assert main(["tune", "--framework", "mxnet"]) == 2
         assert "mxnet is not installed in this Python" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(not allocator.available(), reason="glibc's mallopt only (Linux)")
-def test_the_allocator_knob_changes_no_loss_and_leaves_the_process_as_it_was():
-    model = mlp()
-    assert tt.knobs(model, torch.optim.Adam(model.parameters()))["allocator"].values == ("default", "heap")
-    assert "allocator" not in tt.knobs(model, torch.optim.Adam(model.parameters()), device="cuda")
-    t = tt.Tunable(model, batches, nn.functional.mse_loss, torch.optim.Adam(model.parameters(), 1e-2))
-    losses = {}
-    for mode in ("default", "heap"):
-        step = t.build(Candidate.of("bf16-mixed", {**tt_defaults(t), "allocator": mode}))
-        losses[mode] = [step.step(i) for i in range(3)]
-        assert allocator.current() == "default"  # set for the step only
-    assert losses["heap"] == losses["default"]  # where memory comes from changes no arithmetic
-    report = SimpleNamespace(framework="torch", policy="float32", settings={"allocator": "heap"})
-    try:
-        tt.apply(report, model, torch.optim.Adam(model.parameters()))
-        assert allocator.current() == "heap"  # for the process, as threads are
-    finally:
-        allocator.use("default")

@@ -2,11 +2,11 @@
 
 For each workload, each framework that ``polyamp tune`` is built for gives two rows, its tuned float32
 and its tuned bf16-mixed configuration, read from ``FOLDER/<framework>-<workload>.json`` (a saved
-:class:`~polyamp.tune.TuneReport`), or made there first by ``polyamp tune`` in a child process. torch's
-rows come twice more with ``THP_MEM_ALLOC_ENABLE=1``: torch then backs each CPU allocation of 2 MB or
-more with transparent huge pages, which can save the page faults of the step's fresh weight casts and
-gradients (on this project's machine not consistently: docs/BENCHMARKS.md); torch reads that variable
-once per process, so tune's in-process search cannot try it.
+:class:`~polyamp.tune.TuneReport`), or made there first by ``polyamp tune`` in a child process. Under
+glibc every row comes twice more, its process started in glibc malloc's heap mode
+(``polyamp/tune/allocator.py``: large blocks reused from the heap instead of mapped afresh every
+step), a process setting that tune's in-process search cannot time fairly; each such row is also
+paired with its twin as the process starts (*vs as started*).
 
 Every row is built in its own ``worker --serve`` process from its framework's tune inputs (the rows of
 a framework from the same weights and batches).
@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import PolyampError
+from ..tune import allocator
 from . import runner
 from .flops import train_step_flops
 from .lockstep import Served, _roofline
@@ -44,14 +45,15 @@ from .workloads import get_workload
 POLICIES = ("float32", "bf16-mixed")
 TARGET = 1.6  # issue 16: the best bf16 step of any framework over the best float32 step of any framework
 TUNED_STEPS = 40
-PROCESS_SETTINGS = {"torch": ({}, {"THP_MEM_ALLOC_ENABLE": "1"})}  # each row once per setting
+PROCESS_SETTINGS = ({}, allocator.ENV) if allocator.available() else ({},)  # each row once per setting
 ABOUT = ("Each framework's tuned float32 and bf16-mixed configurations (its `polyamp tune` reports), each in "
          "its own process (a framework's rows from the same weights and batches), stepped in interleaved "
          "rounds. *vs best fp32*: "
          "the median over shared rounds of (fastest float32 row's seconds / the row's), with its 95 % "
          "bootstrap interval; *vs own fp32*: the same against its framework's float32 row; *share of peak*: "
          "model matmul FLOPs per step over the median step, over the framework's measured matmul peak for "
-         "the compute dtype; *loss*: after the last step shared with its framework's float32 row.")
+         "the compute dtype; *loss*: after the last step shared with its framework's float32 row; *vs as "
+         "started*: a heap-mode row (GLIBC_TUNABLES) over its twin whose process started as it was.")
 
 
 @dataclass
@@ -73,6 +75,8 @@ class TunedRow:
     rounds: int = 0
     own_float32: float | None = None  # over its framework's float32 row with the same process settings
     own_ci95: list[float] | None = None
+    vs_as_started: float | None = None  # over the same configuration without the process settings
+    vs_as_started_ci95: list[float] | None = None
     gflops: float | None = None
     roofline_share: float | None = None
     loss: float | None = None  # after the last step shared with its framework's float32 row
@@ -111,7 +115,7 @@ def rows_for(reports: dict, frameworks: list[str], workload: str) -> list[TunedR
     rows = []
     for fw in frameworks:
         tuned = reports[fw, workload]["tuned"]
-        for env in PROCESS_SETTINGS.get(fw, ({},)):
+        for env in PROCESS_SETTINGS:
             for policy in POLICIES:
                 if policy not in tuned:
                     raise PolyampError(f"the tune report of {fw} {workload} has no {policy} configuration; "
@@ -178,6 +182,12 @@ def _score(rows: list[TunedRow], times: dict, rooflines: dict, quick: bool) -> N
             ratio = paired_ratio(times[base], times[k], rows[base].label, LOCKSTEP)
             if ratio is not None:
                 row.speedup, row.ci95, row.rounds = ratio.speedup, list(ratio.ci95 or []), ratio.rounds
+        twin = next((j for j in ok if row.env and rows[j].framework == row.framework and not rows[j].env
+                     and rows[j].policy == row.policy), None)  # fmt: skip
+        if twin is not None:
+            ratio = paired_ratio(times[twin], times[k], rows[twin].label, LOCKSTEP)
+            if ratio is not None:
+                row.vs_as_started, row.vs_as_started_ci95 = ratio.speedup, list(ratio.ci95 or [])
         own = next((j for j in ok if rows[j].framework == row.framework and rows[j].env == row.env
                     and rows[j].policy == "float32"), None)  # fmt: skip
         if own is None:
@@ -218,18 +228,21 @@ def markdown(results: dict) -> str:
     out = ["# polyamp compare --tuned", "", ABOUT, ""]
     for wl, res in results["workloads"].items():
         out += [f"## {wl}", "", "**" + res["verdict"]["text"] + "**", "",
-                "| row | median step ms | vs best fp32 (95 %) | vs own fp32 | GFLOP/s | share of peak | loss "
-                "(own fp32) | rounds |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                "| row | median step ms | vs best fp32 (95 %) | vs own fp32 | vs as started (95 %) | "
+                "GFLOP/s | share of peak | loss (own fp32) | rounds |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in res["rows"]:
             if r["status"] != "ok":
-                out.append(f"| {_label(r)} | {r['status']}: {(r['error'] or '')[:120]} | | | | | | |")
+                out.append(f"| {_label(r)} | {r['status']}: {(r['error'] or '')[:120]} | | | | | | | |")
                 continue
             ci = f" ({r['ci95'][0]:.2f}-{r['ci95'][1]:.2f})" if r["ci95"] else ""
             own = f"{r['own_float32']:.2f}x" if r["own_float32"] else "—"
             pct = f"{r['roofline_share']:.0%}" if r["roofline_share"] is not None else "n/a"
             loss = f"{r['loss']:.4f} ({r['float32_loss']:.4f})" if r["loss"] is not None else "—"
+            twin = r.get("vs_as_started_ci95")
+            started = _x(r.get("vs_as_started")) + (f" ({twin[0]:.2f}-{twin[1]:.2f})" if twin else "")
             out.append(f"| {_label(r)} | {r['median_s'] * 1e3:.1f} | {_x(r['speedup'])}{ci} | {own} | "
-                       f"{r['gflops']:.0f} | {pct} | {loss} | {r['rounds']} |")  # fmt: skip
+                       f"{started} | {r['gflops']:.0f} | {pct} | {loss} | {r['rounds']} |")  # fmt: skip
         peaks = ", ".join(f"{fw} fp32 {p['gflops'].get('float32', math.nan):.0f} / bf16 "
                           f"{p['gflops'].get('bfloat16', math.nan):.0f}"
                           for fw, p in res["rooflines"].items())  # fmt: skip

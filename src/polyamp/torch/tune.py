@@ -11,8 +11,6 @@ Knobs (the first value is the default):
 - ``compile``: ``torch.compile`` of the model (TorchInductor), off / on;
 - ``threads``: intra-op threads, ``torch.get_num_threads()`` / half of them;
 - ``channels_last``: for a model with 2-d convolutions, its memory format, off / on;
-- ``allocator``: on CPU under glibc, malloc's ``default`` mode or ``heap`` mode, which reuses the step's
-  large blocks instead of mapping fresh pages for them every step (``polyamp/tune/allocator.py``);
 - ``attention``: for a model that calls ``scaled_dot_product_attention`` (or has an
   ``nn.MultiheadAttention``), torch's choice of kernel (``default``: flash attention on CPU) or its
   ``math`` one (matmuls and a softmax, ``torch.nn.attention.sdpa_kernel``).
@@ -31,15 +29,14 @@ import torch
 
 from ..errors import PolyampError
 from ..mixed_precision import MixedPrecision
-from ..tune import allocator
 from ..tune.search import tune as search
 from ..tune.space import Candidate, Knob
 
 _OPTIMIZER = "optimizer"
 
 
-def knobs(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str = "cpu") -> dict[str, Knob]:
-    """The knobs that apply to this model and optimizer on ``device`` (module docstring)."""
+def knobs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Knob]:
+    """The knobs that apply to this model and optimizer (module docstring)."""
     out: dict[str, Knob] = {}
     flags = inspect.signature(type(optimizer)).parameters
     impls = tuple(v for v in ("foreach", "fused") if v in flags)
@@ -52,9 +49,6 @@ def knobs(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: str 
         out["threads"] = Knob((n, n // 2), "{value} intra-op threads")
     if any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
         out["channels_last"] = Knob((False, True), "channels-last memory format {value} for the convolutions")
-    if device == "cpu" and allocator.available():
-        out["allocator"] = Knob(allocator.MODES, "glibc malloc in {value} mode (heap: the step's large "
-                                "blocks reused, not mapped afresh each step)")  # fmt: skip
     if _uses_attention(model):
         out["attention"] = Knob(("default", "math"), "scaled_dot_product_attention's {value} kernel")
     return out
@@ -113,7 +107,7 @@ class Tunable:
                                "the model's own (model.parameters())")  # fmt: skip
         self.optimizer = optimizer
         self.device = device or next((p.device.type for p in model.parameters()), "cpu")
-        self.knobs = knobs(model, optimizer, self.device)
+        self.knobs = knobs(model, optimizer)
 
     def build(self, candidate: Candidate) -> _Step:
         return _Step(self, candidate)
@@ -136,14 +130,11 @@ class _Step:
         _attend(model, s.get("attention", "default"))
         self.forward = torch.compile(model) if s.get("compile") else model
         self.threads = s.get("threads")
-        self.allocator = s.get("allocator")
 
     def step(self, i: int) -> float:
-        before, mode = torch.get_num_threads(), allocator.current()
+        before = torch.get_num_threads()
         if self.threads is not None and self.threads != before:
             torch.set_num_threads(self.threads)
-        if self.allocator is not None and self.allocator != mode:
-            allocator.use(self.allocator)
         try:
             x, y = _split(self.tunable.batch(i))
             self.optimizer.zero_grad(set_to_none=True)
@@ -156,8 +147,6 @@ class _Step:
         finally:
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
-            if allocator.current() != mode:
-                allocator.use(mode)
 
     def close(self) -> None:
         self.model = self.forward = self.optimizer = self.mp = None
@@ -223,8 +212,8 @@ def tune(model, batch, loss_fn, optimizer, *, policies=("bf16-mixed",), budget_s
 def apply(report, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """``(mp, model, optimizer)`` configured as ``report.best``: the policy's ``MixedPrecision`` watching
     the model (compiled if chosen), the optimizer rebuilt in the chosen implementation, the thread count
-    and allocator mode set for the process, and the chosen attention kernel around the model's forward
-    (its backward follows the kernel the forward ran)."""
+    set for the process, and the chosen attention kernel around the model's forward (its backward
+    follows the kernel the forward ran)."""
     if report.framework != "torch":
         raise PolyampError(f"this report tuned {report.framework}, not torch")
     s = report.settings
@@ -233,8 +222,6 @@ def apply(report, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     optimizer = rebuild(optimizer, model, s.get(_OPTIMIZER, "as given"))
     if s.get("threads"):
         torch.set_num_threads(int(s["threads"]))
-    if s.get("allocator"):
-        allocator.use(s["allocator"])
     mp = MixedPrecision(report.policy, framework="torch", device=next(model.parameters()).device.type)
     mp.watch(model)
     _attend(model, s.get("attention", "default"))

@@ -1,37 +1,39 @@
-"""glibc malloc's modes for large blocks, switched in a running process (``mallopt``).
+"""glibc malloc's two modes for large blocks: a process setting, and ``mallopt`` to switch it in-process.
 
 By default glibc serves every block above its mmap threshold (at most 32 MiB; 128 KiB at first) with a
 fresh ``mmap`` and returns it with ``munmap`` when freed, so a training step that allocates the same
 large buffers every step (weight casts, gradients, activations) pays a page fault for every 4 KiB page
 of them, every step. ``heap`` mode serves every block from the heap (``M_MMAP_MAX = 0``) and keeps what
-is freed there (``M_TRIM_THRESHOLD`` 2 GiB), so the next step reuses the
-same pages; the process keeps its peak heap resident. The same setting from the shell, read at start:
-``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296``.
+is freed there (``M_TRIM_THRESHOLD`` 2 GiB), so the next step reuses the same pages; the process keeps
+its peak heap resident. For a whole process it is ``ENV``, read at start (``SHELL``: as a shell
+prefix); ``use("heap")`` sets it in a running one. Heap mode reaches what is allocated with ``malloc``
+(PyTorch's CPU tensors); TensorFlow, XLA (JAX) and MXNet have allocators of their own.
 
-``default`` mode sets ``M_MMAP_MAX`` back to glibc's 65536 and the trim threshold to 64 MiB, twice the
-32 MiB mmap threshold glibc's own rule reaches once blocks of 32 MiB and more have been freed (any
-``mallopt`` call stops that rule from moving the threshold further), and returns the heap's free pages
-to the system (``malloc_trim``), so that large blocks are mapped afresh again rather than served from
-what heap mode kept. It serves frameworks that
-allocate tensors with ``malloc`` (PyTorch on CPU); TensorFlow, XLA (JAX) and MXNet use allocators of
-their own. Only glibc on Linux has these options: elsewhere ``available()`` is False.
+It is not a tune knob: configurations stepped in alternation in one process share its heap
+(docs/tune.md); ``polyamp compare --tuned`` measures it in processes of its own. ``default`` mode sets
+``M_MMAP_MAX`` back to glibc's 65536 and the trim threshold to 64 MiB, twice the 32 MiB mmap threshold
+glibc's own rule reaches once blocks of 32 MiB and more have been freed (any ``mallopt`` call stops
+that rule), and returns the heap's free pages to the system (``malloc_trim``), so that large blocks are
+mapped afresh again. Only glibc on Linux has these options: elsewhere ``available()`` is False.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 from functools import cache
 
 from ..errors import PolyampError
 
 MODES = ("default", "heap")
-SHELL = "GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"
+ENV = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296"}  # heap mode
+SHELL = "GLIBC_TUNABLES=" + ENV["GLIBC_TUNABLES"]
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
 _SETTINGS = {"default": ((_M_MMAP_MAX, 65536), (_M_TRIM_THRESHOLD, 64 << 20)),
              "heap": ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1))}  # fmt: skip
-_state = {"mode": "default"}
+_state = {"mode": "heap" if "malloc.mmap_max=0" in os.environ.get("GLIBC_TUNABLES", "") else "default"}
 
 
 @cache
@@ -47,7 +49,8 @@ def available() -> bool:
 
 
 def current() -> str:
-    """The mode ``use`` last set in this process (``default`` before any)."""
+    """The mode ``use`` last set in this process; before any, ``heap`` where the process started with
+    ``GLIBC_TUNABLES`` holding ``malloc.mmap_max=0``, else ``default``."""
     return _state["mode"]
 
 
