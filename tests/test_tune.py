@@ -77,6 +77,29 @@ def test_the_faster_value_is_chosen_and_the_slower_kept_out():
     assert lo <= ratio <= hi and 0.5 < ratio < 2  # the same cost: about 1x
 
 
+def test_a_knob_that_pays_only_with_a_later_choice_is_tried_again_in_a_second_pass():
+    """``compile`` alone gains nothing; the ``kernel`` knob (tried after it) gains alone and makes compile
+    pay (torch.compile around flash attention vs around the math kernel). One pass would stop at
+    kernel=math; the second pass tries compile again on top of it and takes it, and tries nothing twice."""
+    knobs = {"compile": Knob((False, True), "compile {value}"), "kernel": Knob(("flash", "math"), "{value}")}
+
+    def cost(c):
+        if c.get("kernel") == "math":
+            return 8 * MS if c.get("compile") else 20 * MS
+        return 30 * MS
+
+    t = Sleeper(knobs, cost)
+    report = run(t, policies=("float32",))
+    assert [tr.candidate.label for tr in report.trials] == ["float32 compile=on kernel=flash",
+                                                            "float32 compile=off kernel=math",
+                                                            "float32 compile=on kernel=math"]
+    # the same cost: slower or no gain by noise; no third pass: every neighbour was tried already
+    assert [tr.status for tr in report.trials][0] in ("slower", "no gain")
+    assert [tr.status for tr in report.trials][1:] == ["chosen", "chosen"]
+    assert report.tuned["float32"] == Candidate.of("float32", {"compile": True, "kernel": "math"})
+    assert sum("measured" in r for r in report.reasons()) == 2 and t.open == 0
+
+
 def test_parity_failures_and_non_finite_losses_are_reported_with_their_reason():
     knobs = {"mode": Knob(("a", "off-by-10%", "nan", "raises"), "mode {value}")}
 

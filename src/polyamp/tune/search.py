@@ -13,7 +13,10 @@ paired rounds against the configuration it would replace.
    (``compare.timing.run_rounds``), and the alternative replaces the current configuration when the
    median of the per-round ratios (over at least ``MIN_CHOICE_ROUNDS`` rounds) is at least
    ``1 + min_gain`` and its 95 % bootstrap interval lies above 1. Every alternative is reported,
-   whatever happened to it.
+   whatever happened to it. Knobs interact (on a CPU, ``torch.compile`` gains little around flash
+   attention and much around the math kernel), so while a pass has chosen something, another pass
+   tries every knob value (defaults included) whose configuration with the current ones has not been
+   tried yet, up to ``MAX_PASSES`` passes.
 3. Three quarters of the budget (seconds of wall time) go to the search, the rest to the final rounds.
    A configuration is tried only if the longest build and parity check seen so far still fits; its
    timing rounds get an equal share of what is left after the builds still to come. The alternatives
@@ -43,6 +46,7 @@ SLOW = 3.0  # an alternative whose second step takes this many times the current
 SLOW_S = 1.0  # this many seconds, is slower without further timing (fp16 where a CPU has no fp16 units)
 MAX_ROUNDS = 15
 MIN_CHOICE_ROUNDS = 3  # paired rounds a choice rests on at least
+MAX_PASSES = 3  # over the knobs, while the previous pass chose something
 FINAL_SHARE = 0.25  # of the budget, kept for the final side-by-side rounds
 
 
@@ -92,29 +96,43 @@ def tune(tunable: Tunable, policies: Sequence[str] = ("bf16-mixed",), budget_s: 
             current[policy] = (candidate, step, times)
         else:
             step.close()
-    for n, (policy, knob, value) in enumerate(plan):
-        done += 1
-        if policy not in current:  # its default broke parity, failed or was far slower
-            continue
-        cur, cur_step, cur_times = current[policy]
-        alt = cur.with_(**{knob: value})
-        left = sum(1 for p, _, _ in plan[n:] if p in current)
-        spent = time.monotonic() - start
-        if spent + setup > timing_budget:
-            trials.append(Trial(alt, cur, "not tried", _spent(spent, setup)))
-            continue
-        tell(alt.label)
-        rounds_budget = max((timing_budget - spent) / max(left, 1) - setup, 0.05)
-        t0 = time.monotonic()
-        trial, alt_step = _try(tunable, alt, cur, cur_step, cur_times, parity_steps, ref_loss, rtol, min_gain,
-                               rounds_budget)  # fmt: skip
-        setup = max(setup, time.monotonic() - t0 - sum(trial.times) - sum(trial.base_times))
-        trials.append(trial)
-        if trial.status == "chosen":
-            cur_step.close()
-            current[policy] = (alt, alt_step, trial.times)
-        elif alt_step is not None:
-            alt_step.close()
+    tried = {reference} | {t.candidate for t in trials}
+    work = plan
+    for _ in range(MAX_PASSES):
+        changed = False
+        for n, (policy, knob, value) in enumerate(work):
+            done += 1
+            if policy not in current:  # its default broke parity, failed or was far slower
+                continue
+            cur, cur_step, cur_times = current[policy]
+            alt = cur.with_(**{knob: value})
+            if alt in tried:  # a later pass: tried already, or the value the current configuration has
+                continue
+            tried.add(alt)
+            left = sum(1 for p, _, _ in work[n:] if p in current)
+            spent = time.monotonic() - start
+            if spent + setup > timing_budget:
+                trials.append(Trial(alt, cur, "not tried", _spent(spent, setup)))
+                continue
+            tell(alt.label)
+            rounds_budget = max((timing_budget - spent) / max(left, 1) - setup, 0.05)
+            t0 = time.monotonic()
+            trial, alt_step = _try(tunable, alt, cur, cur_step, cur_times, parity_steps, ref_loss, rtol,
+                                   min_gain, rounds_budget)  # fmt: skip
+            setup = max(setup, time.monotonic() - t0 - sum(trial.times) - sum(trial.base_times))
+            trials.append(trial)
+            if trial.status == "chosen":
+                changed = True
+                cur_step.close()
+                current[policy] = (alt, alt_step, trial.times)
+            elif alt_step is not None:
+                alt_step.close()
+        if not changed or time.monotonic() - start + setup > timing_budget:
+            break
+        work = [(p, k, v) for k, knob in tunable.knobs.items() for v in knob.values for p in policies
+                if p in current and (knob.policies is None or p in knob.policies)
+                and current[p][0].with_(**{k: v}) not in tried]  # fmt: skip
+        total += len(work)
     tuned = {}
     for policy in policies:
         if policy in current:
