@@ -53,7 +53,8 @@ ABOUT = ("Each framework's tuned float32 and bf16-mixed configurations (its `pol
          "bootstrap interval; *vs own fp32*: the same against its framework's float32 row; *share of peak*: "
          "model matmul FLOPs per step over the median step, over the framework's measured matmul peak for "
          "the compute dtype; *loss*: after the last step shared with its framework's float32 row; *vs as "
-         "started*: a heap-mode row (GLIBC_TUNABLES) over its twin whose process started as it was.")
+         "started*: a `malloc=heap` row (its process started with " + allocator.SHELL + ") over its twin "
+         "whose process started as it was.")
 
 
 @dataclass
@@ -86,6 +87,7 @@ class TunedRow:
     def label(self) -> str:
         knobs = " ".join(f"{k}={v}" for k, v in sorted(self.settings.items()))
         env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        env = "malloc=heap" if self.env == allocator.ENV else env
         return " ".join(x for x in (self.framework, self.policy, knobs, env) if x)
 
 
