@@ -1,7 +1,11 @@
-"""The emulated recipes' training step against bf16-mixed, side by side, in PyTorch or JAX.
+"""The emulated recipes' training step against bf16-mixed, side by side, in PyTorch, JAX or MXNet.
 
-    python benchmarks/recipes_speed.py [--framework torch|jax] [--workloads mlp,charlm]
+    python benchmarks/recipes_speed.py [--framework torch|jax|mxnet] [--workloads mlp,charlm]
                                        [--recipes fp8-tensorwise,...] [--repeats 5]
+
+MXNet (run with ``.venv-mxnet``'s interpreter): each recipe twice, its network imperative (as compare
+runs it) and hybridized (``static_alloc``; the quantized GEMMs as a custom operator), beside the
+hybridized bf16-mixed network.
 
 The compare workloads' trainers (``polyamp.compare.torch`` / ``.jax`` ``Trainer``: Adam, the workload's
 batches; JAX's step jitted), one per policy, stepping in rotating rounds in one process: median seconds
@@ -23,7 +27,7 @@ from _timing import ratio_row, run_paired  # benchmarks/_timing.py (this folder 
 from polyamp.compare.workloads import get_workload
 
 _ALL = "fp8-tensorwise,fp8-delayed,mxfp8,nvfp4,nvfp4:grad_rounding=nearest,nvfp4:hadamard=true"
-DEFAULTS = {"torch": _ALL, "jax": _ALL}
+DEFAULTS = {"torch": _ALL, "jax": _ALL, "mxnet": "fp8-tensorwise,mxfp8,nvfp4"}
 
 
 def main() -> None:
@@ -48,6 +52,10 @@ def main() -> None:
 def measure(trainer, name: str, recipes: list[str], repeats: int) -> None:
     wl = get_workload(name)
     trainers = {p: trainer(wl, p) for p in ["bf16-mixed", *recipes]}
+    if trainer.__module__.endswith("mxnet"):
+        for recipe in recipes:
+            trainers[f"{recipe} hybridized"] = t = trainer(wl, recipe)
+            t.model.hybridize(static_alloc=True, static_shape=True)
     counters = dict.fromkeys(trainers, 0)
 
     def stepper(policy):

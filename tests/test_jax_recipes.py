@@ -464,8 +464,9 @@ def test_a_stateful_recipe_inside_a_loop_or_with_a_wrong_state_is_one_clear_erro
         mp.value_and_grad(mp.autocast(loss_fn))(p, x, y, state=plain)
 
 
-def test_amaxes_are_all_reduced_over_the_data_parallel_axis():
-    mp = pa.MixedPrecision("fp8-delayed:keep=:history_len=4", framework="jax")
+@pytest.mark.parametrize("reduce_amax", [True, False])
+def test_amaxes_are_all_reduced_over_the_data_parallel_axis(reduce_amax):
+    mp = pa.MixedPrecision(f"fp8-delayed:keep=:history_len=4:reduce_amax={reduce_amax}", framework="jax")
     f = mp.autocast(loss_fn)
     p = init([16, 8, 4])
     (x, y), (x2, y2) = batches(2, seed=5)
@@ -477,8 +478,12 @@ def test_amaxes_are_all_reduced_over_the_data_parallel_axis():
 
     after = jax.jit(jax.vmap(step, axis_name="b"))(xs, ys).recipe.delayed
     recorded = np.asarray(after["fc0|input"]["history"])[:, -1]  # this step's amax, rolled to the end
-    assert list(recorded) == [float(np.abs(xs).max())] * 2
-    assert all(same(e["scale"][0], e["scale"][1]) for e in after.values())
+    if reduce_amax:
+        assert list(recorded) == [float(np.abs(xs).max())] * 2
+        assert all(same(e["scale"][0], e["scale"][1]) for e in after.values())
+    else:  # each replica keeps its own
+        assert list(recorded) == [float(np.abs(x).max()), float(np.abs(xs[1]).max())]
+        assert not same(after["fc0|input"]["scale"][0], after["fc0|input"]["scale"][1])
 
 
 @pytest.mark.parametrize("spec", ["nvfp4", "fp8-delayed:history_len=2", "nvfp4:weight_2d=false:hadamard=true",

@@ -57,9 +57,9 @@ def specials(n, seed, dtype=np.float32):
     return x
 
 
-def mlp(seed=0, width=48):
+def mlp(seed=0, width=48, hybrid=False):
     rng = np.random.default_rng(seed)
-    net = gluon.nn.Sequential()
+    net = gluon.nn.HybridSequential() if hybrid else gluon.nn.Sequential()
     for units, act in ((width, "relu"), (width, "relu"), (width, "relu"), (4, None)):
         net.add(gluon.nn.Dense(units, activation=act, in_units=16 if not len(net) else width))
     net.initialize()
@@ -351,6 +351,62 @@ def test_the_recipe_state_resumes_bit_identically_from_a_json_checkpoint(name):
     assert all(np.array_equal(host(a.data()), host(b.data())) for a, b in pairs)
 
 
+@pytest.mark.filterwarnings("ignore:All children of this Sequential layer:UserWarning")  # "blocks"
+@pytest.mark.parametrize("spec", ["fp8-delayed", "nvfp4:hadamard=true:keep=", "mxfp8:keep="])
+def test_a_hybridized_net_trains_bit_identically_to_the_imperative_one(spec):
+    """The quantized Dense layers inside a hybridized graph (an MXNet custom operator) round, seed and keep
+    state as the imperative ones: hybridized before mp.watch, after it (static_alloc), or a Sequential's
+    blocks each hybridized alone (each its own graph)."""
+    runs = []
+    for how in ("imperative", "before", "after", "blocks"):
+        mp = pa.MixedPrecision(spec, framework="mxnet")
+        net = mlp(hybrid=how in ("before", "after"))
+        if how in ("before", "blocks"):
+            net.hybridize()
+        mp.watch(net)
+        if how == "after":
+            net.hybridize(static_alloc=True, static_shape=True)
+        losses, _ = train(net, mp, 3)
+        params = [host(p.data()) for p in net.collect_params().values()]
+        runs.append((losses, params, json.dumps(mp.state_dict()["recipe"])))
+    for losses, params, state in runs[1:]:
+        assert losses == runs[0][0] and state == runs[0][2]
+        assert all(np.array_equal(a, b) for a, b in zip(params, runs[0][1]))
+
+
+def test_a_hybridized_dense_takes_any_rank_deferred_shapes_and_a_new_recipe():
+    """Dense(flatten=False) on 3-D input and Dense(flatten=True) on 4-D, with in_units left to deferred
+    initialisation, hybridized: the outputs and gradients of the imperative run. mp.watch with another
+    recipe re-traces the graph."""
+    def build():
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Dense(8, flatten=False), gluon.nn.Dense(5, flatten=False, activation="tanh"),
+                gluon.nn.Dense(3))  # fmt: skip
+        net.initialize()
+        return net
+
+    x = mx.nd.array(np.random.default_rng(3).standard_normal((2, 3, 4, 6)).astype(np.float32))
+    results = []
+    for spec, hybrid in (("mxfp8:keep=", False), ("mxfp8:keep=", True), ("fp8-tensorwise:keep=", False)):
+        net = build()
+        mp = pa.MixedPrecision(spec, framework="mxnet")
+        mp.watch(net)
+        if hybrid:
+            net.hybridize()
+        net(x)  # the deferred shapes, inferred through the custom operator when hybridized
+        rng = np.random.default_rng(4)
+        for p in net.collect_params().values():
+            p.set_data(mx.nd.array(rng.uniform(-0.3, 0.3, p.shape).astype(np.float32)))
+        with autograd.record():
+            y = net(x)
+        y.backward()
+        results.append((host(y), [host(p.grad()) for p in net.collect_params().values()], net))
+    (y0, g0, _), (y1, g1, hybrid_net), (y2, _, _) = results
+    assert y1.shape == (2, 3) and np.array_equal(y0, y1) and all(np.array_equal(a, b) for a, b in zip(g0, g1))
+    pa.MixedPrecision("fp8-tensorwise:keep=", framework="mxnet").watch(hybrid_net)
+    assert np.array_equal(host(hybrid_net(x)), y2) and not np.array_equal(y2, y1)
+
+
 # -- bad input ---------------------------------------------------------------------------------------
 def test_recipe_errors():
     unwatched = pa.MixedPrecision("mxfp8", framework="mxnet")
@@ -360,21 +416,29 @@ def test_recipe_errors():
         unwatched.scale_loss(L2(net(mx.nd.ones((2, 16))), mx.nd.ones((2, 4))).mean(), trainer)
     with pytest.raises(PolyampError, match="matches no block"):
         pa.MixedPrecision(recipes.get_recipe("mxfp8", keep=("nope*",)), framework="mxnet").watch(mlp())
-    hybrid = gluon.nn.HybridSequential()
-    hybrid.add(gluon.nn.Dense(4, in_units=3), gluon.nn.Dense(2, in_units=4), gluon.nn.Dense(1, in_units=2))
-    hybrid.initialize()
-    hybrid.hybridize()
-    with pytest.raises(UnsupportedError, match="hybridize\\(active=False\\)"):
-        MP.watch(hybrid)
-    hybrid.hybridize(active=False)
-    MP.watch(hybrid)
-    hybrid.hybridize()  # after mp.watch: the traced Dense refuses
-    with pytest.raises(UnsupportedError, match="hybridized graph"):
-        hybrid(mx.nd.ones((2, 3)))
+    with pytest.raises(PolyampError, match="mp.watch no longer quantizes.*hybridize the net again"):
+        mr.graph._layer("no such key")
     frozen = mlp()
     frozen[1].weight.grad_req = "null"
     with pytest.raises(UnsupportedError, match="grad_req='null'"):
         MP.watch(frozen)
+    delayed = pa.MixedPrecision("fp8-delayed:keep=", framework="mxnet")
+    two = gluon.nn.Sequential()
+    two.add(gluon.nn.Dense(4, in_units=3))
+    two.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+    with pytest.raises(UnsupportedError, match="several contexts \\(cpu\\(0\\), cpu\\(1\\)\\)"):
+        delayed.watch(two)
+    two.initialize(ctx=mx.cpu(0), force_reinit=True)
+    delayed.watch(two)  # one context: accepted; the net moved to two after mp.watch refuses at its call
+    two.initialize(ctx=[mx.cpu(0), mx.cpu(1)], force_reinit=True)
+    two(mx.nd.ones((2, 3), ctx=mx.cpu(0)))
+    before = delayed.state_dict()["recipe"]["state"]
+    with pytest.raises(UnsupportedError, match="cpu\\(0\\) and cpu\\(1\\)"):
+        two(mx.nd.ones((2, 3), ctx=mx.cpu(1)))
+    assert delayed.state_dict()["recipe"]["state"] == before  # the refused call changed nothing
+    tensorwise = pa.MixedPrecision("fp8-tensorwise:keep=", framework="mxnet")
+    tensorwise.watch(two)  # each call scales by its own amax: several contexts are fine
+    assert two(mx.nd.ones((2, 3), ctx=mx.cpu(1))).shape == (2, 4)
     saved = pa.MixedPrecision("fp8-delayed", framework="mxnet").state_dict()
     with pytest.raises(PolyampError, match="recipe 'fp8-delayed'"):
         pa.MixedPrecision("bf16-mixed", framework="mxnet").load_state_dict(saved)

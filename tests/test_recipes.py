@@ -14,7 +14,14 @@ import pytest
 
 from polyamp.errors import PolyampError
 from polyamp.numerics import quantize
-from polyamp.recipes import RECIPES, DelayedScaling, current_scale, get_recipe, quantize_tensorwise
+from polyamp.recipes import (
+    RECIPES,
+    DelayedScaling,
+    current_scale,
+    get_recipe,
+    quantize_tensorwise,
+    recipe_spec,
+)
 
 F32MAX = float(np.finfo(np.float32).max)
 
@@ -198,6 +205,8 @@ def test_recipe_specs():
     assert all(r.keep == ("first", "last") and r.gemms == ("forward", "input_grad", "weight_grad")
                for r in (tw, dl, mx, nv))  # fmt: skip
     assert get_recipe("FP8_Delayed", history_len=16).history_len == 16
+    assert dl.reduce_amax
+    assert recipe_spec(get_recipe(dl, reduce_amax=False)) == "fp8-delayed:reduce_amax=false"
     assert get_recipe("mxfp8", quantize_weight_grad=False).gemms == ("forward", "input_grad")
     assert get_recipe("nvfp4", hadamard=True, keep=[]).keep == ()
     assert get_recipe("fp8-tensorwise", backward_format="e4m3").backward_format == "e4m3fn"
@@ -221,6 +230,8 @@ def test_recipe_specs():
         (lambda: get_recipe("mxfp8", margin=1), "margin applies only to tensorwise / delayed"),
         (lambda: get_recipe("mxfp8", hadamard=True), "hadamard applies only to nvfp4"),
         (lambda: get_recipe("mxfp8", weight_2d=True), "weight_2d applies only to nvfp4"),
+        (lambda: get_recipe("fp8-tensorwise", reduce_amax=False), "reduce_amax applies only to delayed"),
+        (lambda: get_recipe("fp8-delayed", reduce_amax="no"), "reduce_amax must be True or False"),
         (lambda: get_recipe("mxfp8", scale_rule="round"), "unknown scale_rule.*floor, rceil"),
         (lambda: get_recipe("nvfp4", scale_rule="rceil"), "scale_rule must be None"),
         (lambda: get_recipe("mxfp8", forward_format="e4m3fn"), "unknown forward_format.*mxfp8_e4m3"),

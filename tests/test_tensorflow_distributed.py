@@ -157,6 +157,33 @@ WORKER = textwrap.dedent(
         strategy.run(eager_step, args=(x,))
         out["eager"].append([seen[0], seen[1]])
     out["kernel"] = model3.trainable_variables[0].path
+
+    # 6. fp8-delayed: each replica's copy of every amax history, with and without reduce_amax
+    out["delayed"] = {}
+    for reduce_amax in (True, False):
+        mp4 = pa.MixedPrecision(f"fp8-delayed:keep=:history_len=4:reduce_amax={reduce_amax}",
+                                framework="tensorflow")
+        model4, opt4 = build(mp4, lambda: keras.optimizers.SGD(0.01))
+        mp4.watch(model4)
+
+        @tf.function
+        def delayed_step(x):
+            def replica_step(x):
+                with tf.GradientTape() as tape:
+                    scaled = mp4.scale(loss_of(model4, x))
+                mp4.apply(opt4, tape.gradient(scaled, model4.trainable_variables), model4.trainable_variables)
+            strategy.run(replica_step, args=(x,))
+
+        def larger(ctx, i):  # replica 1's x 4x larger
+            r = ctx.replica_id_in_sync_group
+            return data[i][r * 8:(r + 1) * 8] * (1 + 3 * r)
+
+        for i in range(2):
+            x = strategy.experimental_distribute_values_from_function(lambda ctx, i=i: larger(ctx, i))
+            delayed_step(x)
+        out["delayed"][str(reduce_amax)] = {
+            f"{k[0]}|{k[1]}": [np.asarray(v).tolist() for v in strategy.experimental_local_results(h.history)]
+            for k, h in mp4._quantizer.delayed.items()}
     json.dump(out, open(sys.argv[1], "w"))
     """
 )
@@ -210,3 +237,17 @@ def test_each_replica_learns_which_replicas_overflowed(worker):
     assert both == [[False, [kernel], None, [0, 1]], [False, [kernel], None, [0, 1]]]
     assert none == [[True, [], None, []], [True, [], None, []]]
     assert all(ranks == [] for ranks in result["custom"]["traced_ranks"])
+
+
+def test_delayed_scaling_amaxes_are_reduced_across_replicas(worker):
+    """fp8-delayed under MirroredStrategy: with reduce_amax (TE's default) each amax history records the
+    larger of the two replicas' amaxes and both replicas' copies agree; without it each replica keeps its
+    own (replica 1's inputs are 4x larger, so its first layer's input history is larger)."""
+    reduced, local = worker["delayed"]["True"], worker["delayed"]["False"]
+    assert len(reduced) == 2 * 3  # (input, weight, grad) of the two Dense layers
+    for r0, r1 in reduced.values():
+        assert r0 == r1
+        assert all(v > 0 for v in r0[-2:])  # two steps recorded
+    (first, (r0, _)), (first_local, (l0, l1)) = next(iter(reduced.items())), next(iter(local.items()))
+    assert first.endswith("|input") and first_local.endswith("|input")  # the first Dense's input: the data
+    assert l0 != l1 and r0[-1] == max(l0[-1], l1[-1]) == l1[-1]

@@ -87,7 +87,9 @@ class Recipe:
     ``stochastic``.
     ``margin``: scale divided by ``2^margin`` (tensorwise, delayed). ``amax_epsilon``: amax floor
     for current scaling (TE's default 0; torchao uses 1e-12). ``history_len`` /
-    ``amax_compute_algo``: delayed scaling only (TE's defaults 1024 / ``max``).
+    ``amax_compute_algo``: delayed scaling only (TE's defaults 1024 / ``max``). ``reduce_amax``
+    (delayed): each amax is all-reduced (max) over the data-parallel ranks before it enters the history,
+    so every rank keeps the same histories and scales (TE's default, True).
     ``scale_rule``: the MX scale rule (``rceil`` for mxfp8; NVFP4 has one rule, None).
     ``weight_2d``: NVFP4 weights in 16x16 blocks. ``hadamard``: NVFP4's 16x16 random Hadamard
     transform on the weight-gradient operands (off by default here; TE applies it by default).
@@ -108,6 +110,7 @@ class Recipe:
     amax_epsilon: float = 0.0
     history_len: int | None = None
     amax_compute_algo: str | None = None
+    reduce_amax: bool = True
     scale_rule: str | None = None
     weight_2d: bool = False
     hadamard: bool = False
@@ -145,6 +148,7 @@ _ONLY = {
     "amax_epsilon": ("tensorwise",),
     "history_len": ("delayed",),
     "amax_compute_algo": ("delayed",),
+    "reduce_amax": ("delayed",),
     "scale_rule": ("block",),
     "weight_2d": ("nvfp4",),
     "hadamard": ("nvfp4",),
@@ -256,7 +260,8 @@ def _check_recipe(r: Recipe) -> None:
     if r.kind == "block" and (r.forward_format == "nvfp4") != (r.backward_format == "nvfp4"):
         raise PolyampError(f"recipe {r.name!r}: forward_format and backward_format must both be nvfp4 or "
                            f"both MX; received {r.forward_format!r} and {r.backward_format!r}")  # fmt: skip
-    for field in ("quantize_forward", "quantize_input_grad", "quantize_weight_grad", "weight_2d", "hadamard"):
+    for field in ("quantize_forward", "quantize_input_grad", "quantize_weight_grad", "weight_2d", "hadamard",
+                  "reduce_amax"):
         if not isinstance(getattr(r, field), (bool, np.bool_)):
             raise bad(field, "True or False")
     keep = r.keep

@@ -2,8 +2,9 @@
 ``polyamp.MixedPrecision``.
 
 Each network is built from the numpy weights of ``workloads.py`` (a ``Dense`` weight is
-``[out, in]``, so ``W[in, out]`` is stored transposed) and hybridized (imperative under a recipe,
-whose quantized Dense GEMMs are an ``mx.autograd.Function``). The policy is MXNet's own
+``[out, in]``, so ``W[in, out]`` is stored transposed) and hybridized (imperative under a recipe: its
+quantizers, not the graph, are the step's cost, and the imperative form is the one whose pieces the
+memory probes can tell apart). The policy is MXNet's own
 AMP (``contrib.amp``, process-wide: one case per process suits it); ``MixedPrecision`` calls
 ``amp.init`` before the network is built. fp16-mixed on CPU is reported as unsupported: MXNet's
 float16 FullyConnected exists only with cuDNN. What backward keeps is read from the gradient graph

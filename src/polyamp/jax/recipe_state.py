@@ -223,10 +223,13 @@ def fill(recipe: Recipe, state: RecipeState, keys) -> RecipeState:
 
 def advance(recipe: Recipe, state: RecipeState, run: Run, amaxes: dict[str, Any], axis_name=None):
     """The state after the step ``run``: each entry it used updated with its amax (all-reduced with
-    ``lax.pmax`` over ``axis_name``), ``calls`` advanced by the step's ``T``."""
+    ``lax.pmax`` over ``axis_name`` when the recipe reduces amaxes), ``calls`` advanced by the step's
+    ``T``."""
     delayed = dict(state.delayed)
     for key in run.used:
-        amax = amaxes[key] if axis_name is None else lax.pmax(amaxes[key], axis_name)
+        amax = amaxes[key]
+        if axis_name is not None and recipe.reduce_amax:
+            amax = lax.pmax(amax, axis_name)
         delayed[key] = update(recipe, key.rpartition("|")[2], delayed[key], amax)
     return RecipeState(state.calls + np.uint32(run.total), delayed)
 

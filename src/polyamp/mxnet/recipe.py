@@ -22,13 +22,14 @@ not cast. The rest of the net computes as bf16-mixed (contrib.amp, process-wide)
 in the keep list (by default the first and last) do too. ``Dense(flatten=True)`` flattens the input
 to 2-D first, ``flatten=False`` multiplies along its last axis.
 
-Imperative Gluon only: a hybridized net runs a cached graph of symbols, which an ``autograd.Function``
-cannot enter; ``mp.watch`` refuses a hybridized net, and a Dense traced into a graph later raises.
-MXNet 1.9's ``autograd.Function`` shapes the rest: its backward stops writing gradients at the first
-input that takes none, so the inputs are ``(weight, bias, x)`` (the net's data, which takes none, last)
-and a Dense with a frozen parameter is refused; ``x`` enters as float32 (under contrib.amp a bfloat16
-input's gradient buffer is filled wrongly), and the backward transposes float32 copies (transposing a
-bfloat16 NDArray corrupts the heap).
+A hybridized net runs a cached graph of symbols, which an ``autograd.Function`` cannot enter: a Dense
+traced into one emits ``recipe_graph.py``'s custom operator, which calls the same ``QuantizedDense``
+(``mp.watch`` clears the cached graphs, so they are traced again). MXNet 1.9's ``autograd.Function``
+shapes the rest: its backward stops writing gradients at the first input that takes none, so the
+inputs are ``(weight, bias, x)`` (the net's data, which takes none, last) and a Dense with a frozen
+parameter is refused; ``x`` enters as float32 (under contrib.amp a bfloat16 input's gradient buffer is
+filled wrongly), and the backward transposes float32 copies (transposing a bfloat16 NDArray corrupts
+the heap). With ``fp8-delayed`` the net runs on one context (one history per layer, not per device).
 
 Quantization is ``polyamp.mxnet.quantize``, bit-identical to the numpy core: tensorwise with the
 scale ``current_scale(amax)``; delayed with the scale of the layer's ``DelayedScaling`` for that
@@ -40,10 +41,14 @@ rounding seeded by a counter of calls.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import warnings
+
+import numpy as np
 
 from ..errors import PolyampError, UnsupportedError
 from ..quantizer_state import QuantizerState
+from . import recipe_graph as graph
 from .hadamard import hadamard_tiles
 from .keep import _ORIGINAL_OPS, blocks, dtype_name
 from .quantize import amax, current_scale, quantize_blocks, quantize_tensorwise
@@ -63,10 +68,18 @@ class Quantizer(QuantizerState):
     """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps
     (``QuantizerState``: delayed scaling per (layer, operand), the stochastic-rounding counter)."""
 
+    def __init__(self, recipe):
+        super().__init__(recipe)
+        self.context = None  # delayed scaling: the one context its calls run on
+
     def __call__(self, x, layer: str, operand: str, axis: int = -1):
         """``x`` (an NDArray) quantized and dequantized as the recipe's ``operand`` ("input", "weight",
         "grad"), blocked along ``axis``; a float32 NDArray."""
         r = self.recipe
+        if r.kind == "delayed":
+            self.context = self.context or str(x.context)
+            if str(x.context) != self.context:
+                raise UnsupportedError(_SEVERAL_CONTEXTS.format(f"{self.context} and {x.context}"))
         grad = operand == "grad"
         fmt = r.backward_format if grad else r.forward_format
         rounding = r.grad_rounding if grad else r.forward_rounding
@@ -166,12 +179,19 @@ class RecipeDense:
         if original is not None:
             self._own = original
 
+        units, flatten = block._units, block._flatten
+
+        def shapes(x_shape):  # weight, bias, output
+            inputs = int(np.prod(x_shape[1:])) if flatten else x_shape[-1]
+            return (units, inputs), (units,), (x_shape[0], units) if flatten else x_shape[:-1] + (units,)
+
+        make = functools.partial(QuantizedDense, quantizer, name, compute)
+        self.key = graph.register(graph.Layer(make, shapes, compute, dense=(flatten, units)))
+
         def hybrid_forward(F, x, weight, bias=None):
-            if F is not mx.nd:
-                raise UnsupportedError(
-                    f"Dense {name!r} is traced into a hybridized graph, where the recipe's quantized GEMMs "
-                    "(an mx.autograd.Function) cannot run; train with net.hybridize(active=False)"
-                )
+            if F is not mx.nd:  # traced into a hybridized graph: the custom operator
+                y = graph.custom(F, self.key, weight, bias, x)
+                return y if block.act is None else block.act(y)
             lead = x.shape[:1] if block._flatten else x.shape[:-1]
             flat = x.ndim != 2  # reshape only when needed
             x2 = x.reshape((lead[0], -1) if block._flatten else (-1, weight.shape[1])) if flat else x
@@ -186,6 +206,7 @@ class RecipeDense:
         vars(block)["hybrid_forward"] = hybrid_forward
 
     def remove(self) -> None:
+        graph.unregister(self.key)
         if getattr(vars(self.block).get("hybrid_forward"), "recipe_of", False) is self._own:
             self.restore(self.block, self._own)
 
@@ -198,12 +219,42 @@ class RecipeDense:
             vars(block)["hybrid_forward"] = own
 
 
+def clear_graphs(model) -> None:
+    """Drop the cached graphs of ``model``'s hybridized blocks: their next call traces the forwards as
+    they are now."""
+    for _, block in blocks(model):
+        if isinstance(block, gluon.HybridBlock):
+            block._clear_cached_op()
+
+
 def unwind(model) -> None:
     """Put back every Dense and Conv forward of ``model`` that a recipe (of any MixedPrecision) replaced."""
+    clear_graphs(model)
     for _, block in blocks(model):
         previous = vars(block).get("hybrid_forward")
         if hasattr(previous, "recipe_of"):
             RecipeDense.restore(block, previous.recipe_of)
+
+
+_SEVERAL_CONTEXTS = (
+    "fp8-delayed keeps one amax history per layer, and the net runs on several contexts ({}): each "
+    "device's copy of a layer would update it in turn. Train delayed scaling on one context, or use "
+    "fp8-tensorwise (each call scales by its own amax)"
+)
+
+
+def _check_one_context(model) -> None:
+    """UnsupportedError when the net's parameters live on several contexts: each device's copy of a layer
+    would enter the layer's one amax history in turn, several updates a step (TE reduces the devices'
+    amaxes into one)."""
+    contexts = set()
+    for p in model.collect_params().values():
+        try:
+            contexts.update(str(c) for c in p.list_ctx())
+        except (RuntimeError, mx.MXNetError):  # not initialized yet (deferred): its context is unknown
+            pass
+    if len(contexts) > 1:
+        raise UnsupportedError(_SEVERAL_CONTEXTS.format(", ".join(sorted(contexts))))
 
 
 def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> list:
@@ -220,14 +271,9 @@ def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> l
             f"expected a mxnet.gluon.Block, got {type(model).__module__}.{type(model).__name__}"
         )
     paths = [(p or type(b).__name__, b) for p, b in blocks(model)]
-    active = [p for p, b in paths if isinstance(b, gluon.HybridBlock) and b._active]
-    if active:
-        raise UnsupportedError(
-            f"the {quantizer.recipe.name!r} recipe quantizes Dense and Conv layers imperatively, but the net "
-            f"is hybridized ({', '.join(active[:3])}): its cached graph cannot run an mx.autograd.Function. "
-            "Call net.hybridize(active=False) before mp.watch(net)"
-        )
     layers = [(p, b) for p, b in paths if isinstance(b, gluon.nn.Dense) or is_conv(b)]
+    if quantizer.recipe.kind == "delayed":
+        _check_one_context(model)
     kept: set[str] = set()
     for entry in quantizer.recipe.keep:
         if entry in ("first", "last"):
@@ -241,6 +287,8 @@ def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> l
         kept.update(found)
     if dry_run:  # only the checks
         return []
+    clear_graphs(model)
+    quantizer.context = None
     handles = []
     for path, block in layers:
         if any(path == k or path.startswith(k + ".") for k in kept):

@@ -22,14 +22,17 @@ The products are MXNet's own ``Convolution`` (not contrib.amp's) on operands cas
 backward, run by a nested ``autograd.record()`` inside the Function's backward on float32 leaves cast to
 the compute dtype within the record (MXNet 1.9 under contrib.amp refuses the backward of a bfloat16 leaf).
 The Function's inputs are ``(weight, bias, x)`` with ``x`` in float32 and frozen parameters are refused,
-for ``QuantizedDense``'s reasons (``recipe.py``); imperative Gluon only.
+for ``QuantizedDense``'s reasons (``recipe.py``); in a hybridized graph the block emits ``recipe_graph.py``'s
+custom operator, which calls the same ``QuantizedConv``.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 from ..errors import UnsupportedError
+from . import recipe_graph as graph
 from .hadamard import hadamard_tiles
 from .keep import _ORIGINAL_OPS, dtype_name
 from .recipe import Quantizer, _cast, _like
@@ -65,6 +68,14 @@ def _conv(x, w, compute: str, kwargs: dict, bias=None):
     """MXNet's own Convolution in the compute dtype; an NDArray of that dtype."""
     args = (_cast(x, compute), _cast(w, compute)) + (() if bias is None else (_cast(bias, compute),))
     return _CONV(*args, no_bias=bias is None, **kwargs)
+
+
+def conv_shapes(kwargs: dict, x_shape) -> tuple[tuple[int, ...], ...]:
+    """The weight, bias and output shapes of MXNet's Convolution with ``kwargs`` on an input of
+    ``x_shape`` (its own shape inference)."""
+    out = mx.sym.Convolution(mx.sym.var("x"), mx.sym.var("w"), mx.sym.var("b"), no_bias=False, **kwargs)
+    args, outs, _ = out.infer_shape(x=tuple(x_shape))
+    return tuple(args[1]), tuple(args[2]), tuple(outs[0])
 
 
 def _conv_grads(x, w, head, compute: str, kwargs: dict, want_x: bool, want_w: bool):
@@ -169,13 +180,13 @@ class RecipeConv:
             self._own = original
         kwargs = {k: v for k, v in block._kwargs.items() if k != "no_bias"}
 
+        make = functools.partial(QuantizedConv, quantizer, name, compute, kwargs)
+        self.key = graph.register(graph.Layer(make, functools.partial(conv_shapes, kwargs), compute))
+
         def hybrid_forward(F, x, weight, bias=None):
-            if F is not mx.nd:
-                raise UnsupportedError(
-                    f"{type(block).__name__} {name!r} is traced into a hybridized graph, where the recipe's "
-                    "quantized GEMMs (an mx.autograd.Function) cannot run; train with "
-                    "net.hybridize(active=False)"
-                )
+            if F is not mx.nd:  # traced into a hybridized graph: the custom operator
+                y = graph.custom(F, self.key, weight, bias, x)
+                return y if block.act is None else block.act(y)
             x32 = _like(x, "float32")  # a float32 gradient buffer (MXNet copies a bf16 one wrongly under amp)
             y = QuantizedConv(quantizer, name, compute, kwargs)(
                 *((weight, x32) if bias is None else (weight, bias, x32))
@@ -186,5 +197,6 @@ class RecipeConv:
         vars(block)["hybrid_forward"] = hybrid_forward
 
     def remove(self) -> None:
+        graph.unregister(self.key)
         if getattr(vars(self.block).get("hybrid_forward"), "recipe_of", False) is self._own:
             self._restore(self.block, self._own)

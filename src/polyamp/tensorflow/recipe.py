@@ -26,8 +26,10 @@ Quantization is integer TF ops (``quantize.py``), bit-identical to the numpy cor
   float32, by long division), ``fp32(x * scale)`` rounded to the format with saturation, divided by
   ``scale`` (one rounding to float32): the core's ``recipes.quantize_tensorwise``;
 - delayed: the same with the scale of that (layer, operand)'s amax history, updated with this call's
-  amax after the cast (TE's order, ``recipes.DelayedScaling``); the histories are ``tf.Variable``s,
-  so a ``tf.function`` step updates them, and ``mp.state_dict()`` holds them;
+  amax after the cast (TE's order, ``recipes.DelayedScaling``), the largest of the replicas' under a
+  distribution strategy (``reduce_amax``, TE's default); the histories are ``tf.Variable``s (mirrored
+  under a strategy, each replica's copy the same), so a ``tf.function`` step updates them, and
+  ``mp.state_dict()`` holds them;
 - block: ``quantize.blocks_keyed``.
 Stochastic rounding seeds each call with a counter of the stochastically rounded calls (a
 ``tf.Variable``, also in the state; 1, 2, ... in call order: ``g`` along N, then along M); the stream
@@ -36,6 +38,7 @@ Kernels run through ``quantize.graph_call`` (one ``tf.function`` per shape and s
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 from typing import Any
 
@@ -67,9 +70,19 @@ class Quantizer:
 
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
-        with tf.init_scope():
-            self.calls = tf.Variable(0, dtype=tf.int64, trainable=False, name="polyamp_recipe_calls")
+        self.calls = None
+        self.place()
         self.delayed: dict[tuple[str, str], _History] = {}
+
+    def place(self) -> None:
+        """The counter created (its value kept) under the current distribution strategy, unless it is
+        there already."""
+        strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        if self.calls is not None and getattr(self.calls, "distribute_strategy", None) is strategy:
+            return
+        with tf.init_scope():
+            value = 0 if self.calls is None else int(self.calls.numpy())
+            self.calls = tf.Variable(value, dtype=tf.int64, trainable=False, name="polyamp_recipe_calls")
 
     def __call__(self, x, layer: str, operand: str, axis=-1):
         """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"),
@@ -90,7 +103,7 @@ class Quantizer:
             history = self.delayed.get((layer, operand)) or self.add(layer, operand)
             out, amax = graph_call(_delayed, (x, history.scale.read_value(), key), (fmt, mode))
             with tf.control_dependencies([out]):
-                history.update(amax)
+                history.update(across_replicas(amax) if r.reduce_amax else amax)
             return tf.identity(out)
         return graph_call(_current, (x, key), (fmt, r.margin, float(r.amax_epsilon), mode))
 
@@ -125,6 +138,17 @@ class Quantizer:
         for history, ds in checked:
             history.assign(ds)
         self.calls.assign(int(calls))
+
+
+def across_replicas(amax_bits):
+    """The largest of the replicas' amaxes (float32 bit patterns; a NaN, then an inf, outranks every
+    number) when a distribution strategy runs more than one replica in sync: an all-gather, as
+    ``ReplicaContext.all_reduce`` has no max. Every replica then records the same history."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return amax_bits
+    every = ctx.all_gather(tf.reshape(tf.cast(amax_bits, tf.int64), [1]), axis=0)
+    return tf.cast(tf.reduce_max(every), amax_bits.dtype)
 
 
 class _History:
@@ -298,6 +322,7 @@ class MatmulLayers:
     def __init__(self, model, keep: tuple[str, ...]):
         if not isinstance(model, keras.layers.Layer):
             raise PolyampError(f"a recipe applies to a Keras model or layer, got {type(model).__name__}")
+        self.strategy = _strategy_of(model)
         layers = named_layers(model)
         matmuls = [(name, layer) for name, layer in layers if isinstance(layer, _MATMUL_LAYERS)]
         kept: set[str] = set()
@@ -320,11 +345,17 @@ class MatmulLayers:
                                    "it (keep=...)")  # fmt: skip
 
     def install(self, quantizer: Quantizer, compute) -> None:
+        """Each quantized layer's ``call``; the recipe's variables created where the model's are (under
+        its distribution strategy: one copy per replica, each updated by its own replica)."""
+        s = self.strategy
+        with s.scope() if s is not None and not tf.distribute.has_strategy() else contextlib.nullcontext():
+            quantizer.place()
+            for name, _ in self.quantized:
+                if quantizer.recipe.kind == "delayed":
+                    for operand in ("input", "weight", "grad"):
+                        if (name, operand) not in quantizer.delayed:
+                            quantizer.add(name, operand)
         for name, layer in self.quantized:
-            if quantizer.recipe.kind == "delayed":
-                for operand in ("input", "weight", "grad"):
-                    if (name, operand) not in quantizer.delayed:
-                        quantizer.add(name, operand)
             if isinstance(layer, keras.layers.Dense):
                 layer.call = _dense_call(layer, linear(quantizer, name, compute))
             else:
@@ -334,6 +365,15 @@ class MatmulLayers:
         for _, layer in self.quantized:
             if "call" in vars(layer):
                 del layer.call
+
+
+def _strategy_of(model):
+    """The distribution strategy the model's variables were created under, or None."""
+    for v in model.weights:
+        strategy = getattr(getattr(v, "value", v), "distribute_strategy", None)
+        if strategy is not None:
+            return strategy
+    return None
 
 
 def _dense_call(layer, matmul):

@@ -34,7 +34,7 @@ class MixedPrecision(EagerMixedPrecision):
         if self.recipe is not None:
             from .recipe import Quantizer
 
-            self._quantizer = Quantizer(self.recipe)
+            self._quantizer = Quantizer(self.recipe, self.process_group)
 
     def watch(self, model: Any) -> Any:
         layers = None

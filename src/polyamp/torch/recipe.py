@@ -27,7 +27,9 @@ Quantization, bit-identical to the numpy core (``tests/test_torch_recipes.py``):
   with saturation (torch's float8 dtypes round to nearest, ties to even), divided by ``scale``: the
   core's ``recipes.quantize_tensorwise``;
 - delayed: the same with the scale of the layer's ``DelayedScaling`` for that operand, updated with
-  this call's amax after the cast (TE's order); the histories are in ``mp.state_dict()``;
+  this call's amax after the cast (TE's order), all-reduced (max) over the process group first when
+  ``torch.distributed`` is initialized (``reduce_amax``, TE's default), so every rank keeps the same
+  histories; the histories are in ``mp.state_dict()``;
 - block: ``polyamp.torch.quantize.quantize_blocks``; stochastic rounding draws its seed from a
   counter of calls.
 """
@@ -57,7 +59,13 @@ _MATMUL_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.C
 
 class Quantizer(QuantizerState):
     """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps
-    (``QuantizerState``: delayed scaling per (layer, operand), the stochastic-rounding counter)."""
+    (``QuantizerState``: delayed scaling per (layer, operand), the stochastic-rounding counter).
+    ``group``: the process group whose ranks share the delayed histories (``reduce_amax``; None is the
+    world when ``torch.distributed`` is initialized)."""
+
+    def __init__(self, recipe, group=None):
+        super().__init__(recipe)
+        self.group = group
 
     def __call__(self, x: torch.Tensor, layer: str, operand: str, axis: int = -1) -> torch.Tensor:
         """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"),
@@ -79,9 +87,23 @@ class Quantizer(QuantizerState):
             ds = self.history(layer, operand)
             scale = torch.tensor(float(ds.scale), dtype=torch.float32, device=x.device)
             out = _tensorwise(x32, fmt, scale, rounding, seed)
-            ds.update(float(amax))
+            ds.update(float(self._reduced(amax)))
             return out
         return _tensorwise(x32, fmt, current_scale(amax, fmt, r.margin, r.amax_epsilon), rounding, seed)
+
+
+    def _reduced(self, amax: torch.Tensor) -> torch.Tensor:
+        """``amax``, all-reduced (max) over ``group`` when the recipe reduces amaxes and
+        ``torch.distributed`` is initialized: one scalar all-reduce per call, in call order, which
+        every rank's identical forward and backward share. The float32 bit patterns are reduced as
+        int32 (an amax is >= 0, so they order as the values do, and a NaN, then an inf, outranks every
+        number on any rank, where a float max would depend on the order of the ranks)."""
+        dist = torch.distributed
+        if not (self.recipe.reduce_amax and dist.is_available() and dist.is_initialized()):
+            return amax
+        bits = amax.float().reshape(1).view(torch.int32).clone()
+        dist.all_reduce(bits, dist.ReduceOp.MAX, group=self.group)
+        return bits.view(torch.float32)[0]
 
 
 def current_scale(amax: torch.Tensor, fmt: str, margin: int = 0, eps: float = 0.0) -> torch.Tensor:
