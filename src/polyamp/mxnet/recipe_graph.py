@@ -50,8 +50,7 @@ class Layer:
         from .recipe import _like
 
         if self.dense is not None and x.ndim != 2:
-            flatten, units = self.dense
-            x = x.reshape((x.shape[0], -1)) if flatten else x.reshape((-1, x.shape[-1]))
+            x = x.reshape((x.shape[0], -1)) if self.dense[0] else x.reshape((-1, x.shape[-1]))
         return _like(x, "float32")
 
     def finish(self, y, x_shape):
