@@ -42,8 +42,8 @@ test: venv venv-mxnet
 	$(PY) -m ruff check src tests benchmarks examples
 	# two workers (both cores), each test file in one of them: most tests spend one core tracing and compiling
 	POLYAMP_REQUIRE_NUMBA=1 $(PY) -m pytest -q -n 2 --dist loadfile
-	# MXNet and polyamp's core under numpy 1.23, in MXNet's own environment
-	POLYAMP_TEST_FRAMEWORKS=mxnet $(MXNET_PY) -m pytest -q tests/test_mxnet.py tests/test_contract.py tests/test_front_ends.py tests/test_compare_workloads.py \
+	# MXNet and polyamp's core under numpy 1.23, in MXNet's own environment (two workers here too)
+	POLYAMP_TEST_FRAMEWORKS=mxnet $(MXNET_PY) -m pytest -q -n 2 --dist loadfile tests/test_mxnet.py tests/test_contract.py tests/test_front_ends.py tests/test_compare_workloads.py \
 		tests/test_formats.py tests/test_rounding.py tests/test_policy.py tests/test_scaling.py tests/test_import.py \
 		tests/test_doctor_core.py tests/test_doctor_chain.py tests/test_doctor_mxnet.py tests/test_blocks.py tests/test_recipes.py tests/test_mxnet_recipes.py tests/test_mxnet_recipe_conv.py \
 		tests/test_hadamard.py tests/test_doctor_blocks.py tests/test_mxnet_tune.py
