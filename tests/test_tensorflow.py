@@ -267,6 +267,26 @@ def test_step_result_comes_back_from_a_tf_function():
     assert float(result.scale) == mp.current_scale == 2.0**15
 
 
+def test_the_state_inside_a_tf_function_is_one_clear_error_and_repr_still_works():
+    mp = pa.MixedPrecision("fp16-mixed", framework="tensorflow")
+    model = tiny_model(mp)
+    step = polyamp_step(mp, model, keras.optimizers.SGD(0.01))
+    x, y = next(batches(1))
+    step(x, y, tf.constant(True))  # the state now lives in tf.Variables
+    seen = {}
+
+    @tf.function
+    def inspect():
+        seen["repr"] = repr(mp)
+        with pytest.raises(PolyampError, match=r"read eagerly.*loss_scale_variables\(\)\.scale"):
+            seen["scale"] = mp.current_scale
+        return mp.loss_scale_variables().scale.read_value()
+
+    assert float(inspect()) == mp.current_scale == 2.0**15
+    assert seen["repr"] == "MixedPrecision('fp16-mixed', framework='tensorflow', scale=<traced>)"
+    assert repr(mp) == "MixedPrecision('fp16-mixed', framework='tensorflow', scale=32768)"
+
+
 def test_scaled_loss_is_float32_even_for_a_float16_loss():
     mp = pa.MixedPrecision("fp16-mixed", framework="tensorflow")
     scaled = mp.scale(tf.constant(4.0, tf.float16))

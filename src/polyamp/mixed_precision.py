@@ -268,8 +268,11 @@ class MixedPrecision:
     def __repr__(self) -> str:
         keep = f", keep_fp32={self.keep_fp32!r}" if self.keep_fp32 else ""
         name = recipe_spec(self.recipe) if self.recipe is not None else self.policy.name
-        return (f"MixedPrecision({name!r}, framework={self.framework!r}, "
-                f"scale={self.current_scale:g}{keep})")  # fmt: skip
+        try:
+            scale = f"{self.current_scale:g}"
+        except PolyampError:  # a state only a traced graph holds (TensorFlow inside a tf.function)
+            scale = "<traced>"
+        return f"MixedPrecision({name!r}, framework={self.framework!r}, scale={scale}{keep})"
 
 
 class _Unbound(MixedPrecision):

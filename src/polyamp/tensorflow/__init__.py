@@ -76,8 +76,14 @@ class MixedPrecision(_Base):
 
     @property
     def state(self) -> LossScaleState:
-        """The loss-scale state, read from its ``tf.Variable``s once they exist."""
-        return self._state if self._variables is None else self._variables.read()
+        """The loss-scale state, read from its ``tf.Variable``s once they exist (eagerly: inside a
+        tf.function the values are tensors of the trace; ``loss_scale_variables()`` holds them)."""
+        if self._variables is None:
+            return self._state
+        if tf.inside_function():
+            raise PolyampError("mp.state (and mp.current_scale) is read eagerly, outside a tf.function; "
+                               "inside one use mp.loss_scale_variables().scale (a tf.Variable)")  # fmt: skip
+        return self._variables.read()
 
     @state.setter
     def state(self, value: LossScaleState) -> None:
@@ -120,6 +126,9 @@ class MixedPrecision(_Base):
         return LossScaleLogger(self)
 
     # -- the custom-loop idiom -------------------------------------------------------------------
+    # Both build their ops without AutoGraph (Python control flow on Python values only), so a
+    # tf.function calling them does not convert polyamp's code: that cost seconds of the first trace.
+    @tf.autograph.experimental.do_not_convert
     def scale(self, loss: Any):
         """``loss * scale`` in float32 for a custom ``GradientTape`` loop (usable inside
         ``tf.function``; a float16 loss times 2^15 would overflow float16)."""
@@ -139,6 +148,7 @@ class MixedPrecision(_Base):
             loss = tf.cast(loss, tf.float32)
         return loss * tf.cast(self.loss_scale_variables().scale, loss.dtype)
 
+    @tf.autograph.experimental.do_not_convert
     def apply(self, optimizer: Any, grads: Any, variables: Any, clip_grad_norm: float | None = None
               ) -> StepResult:  # fmt: skip
         """Unscale, check, clip, apply or skip, update the scale; returns a ``StepResult``."""
