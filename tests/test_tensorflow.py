@@ -515,6 +515,11 @@ def test_bad_input_is_one_clear_error_and_changes_nothing():
     in_graph = tf.function(lambda: mp.apply(opt, grads[:3], variables))
     with pytest.raises(PolyampError, match="3 gradients for 4 variables"):  # the same type in tf.function
         in_graph()
+    with tf.GradientTape() as tape:
+        unscaled = mse(model, x, y)
+    outside = tape.gradient(mp.scale(unscaled), variables)  # the scaling ran after the tape closed
+    with pytest.raises(PolyampError, match=r"every gradient is None.*mp.scale\(loss\) inside the `with tf"):
+        mp.apply(opt, outside, variables)
     assert mp.state == mp.loss_scale.init() and int(opt.iterations.numpy()) == 0
     assert all((a == b).all() for a, b in zip(before, values(model)))
     assert mp.apply(opt, grads, variables).stepped  # and the good call still works

@@ -302,5 +302,8 @@ def check_pairs(grads, variables) -> tuple[list, list]:
                 "Keras or TensorFlow variables"
             )
     if all(g is None for g in grads):
-        raise PolyampError("every gradient is None: did the loss depend on these variables?")
+        raise PolyampError(
+            "every gradient is None: did the loss depend on these variables? (call mp.scale(loss) inside "
+            "the `with tf.GradientTape()` block: the tape records only what runs there)"
+        )
     return grads, variables
