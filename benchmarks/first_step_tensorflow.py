@@ -7,7 +7,7 @@ graph's optimisation and one step, paid once per process before training starts.
 Each (policy, run) in a fresh interpreter, so nothing traced or converted by an earlier one is reused:
 a Keras MLP 16 -> 48 -> 48 -> 48 -> 4 (gelu), Adam, a ``tf.function`` step with ``mp.scale`` and
 ``mp.apply`` (``mp.watch`` for a recipe), 64 examples. Prints the median and the range over the runs,
-then the median of ten later steps for scale.
+the median of ten later steps for scale, and the nodes of the traced step's function library.
 """
 
 from __future__ import annotations
@@ -41,15 +41,16 @@ t = time.perf_counter(); float(step(x, y)); first = time.perf_counter() - t
 later = []
 for _ in range(10):
     t = time.perf_counter(); float(step(x, y)); later.append(time.perf_counter() - t)
-print(first, sorted(later)[5])
+graph = step.get_concrete_function(x, y).graph.as_graph_def()
+print(first, sorted(later)[5], sum(len(f.node_def) for f in graph.library.function))
 """
 
 
-def first_step(policy: str) -> tuple[float, float]:
+def first_step(policy: str) -> tuple[float, float, int]:
     out = subprocess.run([sys.executable, "-c", _CHILD.format(policy=policy)], capture_output=True,
                          text=True, check=True).stdout  # fmt: skip
-    first, later = out.split()[-2:]
-    return float(first), float(later)
+    first, later, nodes = out.split()[-3:]
+    return float(first), float(later), int(nodes)
 
 
 def main() -> None:
@@ -57,13 +58,13 @@ def main() -> None:
     parser.add_argument("--policies", default="fp16-mixed,bf16-mixed,fp8-tensorwise")
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    print(f"{'policy':<20} {'first step s (median, range)':>30} {'later step ms':>14}")
+    print(f"{'policy':<20} {'first step s (median, range)':>30} {'later step ms':>14} {'nodes':>7}")
     for policy in args.policies.split(","):
         runs = [first_step(policy) for _ in range(args.runs)]
-        firsts = [f for f, _ in runs]
-        later = statistics.median(v for _, v in runs) * 1e3
+        firsts = [f for f, _, _ in runs]
+        later = statistics.median(v for _, v, _ in runs) * 1e3
         span = f"{statistics.median(firsts):.2f} ({min(firsts):.2f}-{max(firsts):.2f})"
-        print(f"{policy:<20} {span:>30} {later:>14.1f}", flush=True)
+        print(f"{policy:<20} {span:>30} {later:>14.1f} {runs[0][2]:>7}", flush=True)
 
 
 if __name__ == "__main__":
