@@ -411,6 +411,10 @@ class MXNetDriver(Driver):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             require("mxnet")
+        from mxnet_caps import BF16_UNSUPPORTED  # its one policy computes in bf16: a CPU capability
+
+        if BF16_UNSUPPORTED:
+            pytest.skip(BF16_UNSUPPORTED)
 
     def _build(self, policy, weights, optimizer, lr, mp_kwargs):
         import mxnet as mx

@@ -10,8 +10,10 @@ import os
 
 import pytest
 
-# the name a run requests -> the modules that belong to it
-_REQUESTED_AS = {"keras": "tensorflow"}
+# a module -> the framework whose requested run must have it (the model libraries of the real-model
+# tests are installed by the Makefile with their framework)
+_REQUESTED_AS = {"keras": "tensorflow", "keras_hub": "tensorflow", "transformers": "torch", "flax": "jax",
+                 "equinox": "jax"}
 
 
 def requested(name: str) -> bool:

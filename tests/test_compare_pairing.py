@@ -356,6 +356,9 @@ def test_a_real_quick_run_records_rounds_intervals_and_roofline_shares(framework
     assert time.perf_counter() - started < 120
     base, bf16, fp16 = records
     assert base["status"] == "ok" and base["paired"] is None and len(base["step_times"]) == 3
+    if framework == "mxnet" and bf16["status"] == "unsupported":  # a CPU without AVX-512 (capability.py)
+        assert "computes no bfloat16 on this CPU" in bf16["error"] and bf16["paired"] is None
+        pytest.skip(bf16["error"])
     paired = bf16["paired"]
     assert paired["rounds"] == 3 and paired["baseline"] == "float32"
     assert paired["pairing"] == (LOCKSTEP if framework == "mxnet" else IN_PROCESS)

@@ -75,6 +75,9 @@ def results(framework: str, policy: str) -> dict:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     run = subprocess.run([sys.executable, "-c", PROBE, tests, framework, policy], capture_output=True,
                          text=True, timeout=600, env=env)  # fmt: skip
+    refusal = [x for x in run.stderr.splitlines() if "computes no bfloat16 on this CPU" in x]
+    if run.returncode != 0 and refusal:  # a hardware capability (polyamp/mxnet/capability.py), as CUDA
+        pytest.skip(refusal[-1])
     assert run.returncode == 0, run.stderr[-3000:]
     line = [x for x in run.stdout.splitlines() if x.startswith("PROBE ")][-1]
     return json.loads(line.removeprefix("PROBE "))

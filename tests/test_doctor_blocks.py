@@ -207,9 +207,10 @@ def test_jax_path_equals_the_reference():
 FORMATS = ("bf16", "mxfp8_e4m3", "nvfp4", "recipe:fp8-tensorwise")
 
 
-def check_report(report, weights: dict) -> None:
+def check_report(report, weights: dict, recipe_weights: dict | None = None) -> None:
     """Measured labels and rows are there, and each layer's weight row is the reference's of its
-    weights (``weights[layer]``, a list of arrays: their measurements merged)."""
+    weights (``weights[layer]``, a list of arrays: their measurements merged); a recipe's label the
+    reference's of ``recipe_weights[layer]`` where given (the tensors the recipe quantizes)."""
     assert report.formats == ("bf16",) and report.measured == FORMATS[1:]
     rows = {(r.layer, r.kind): r for r in report.rows}
     assert {layer for layer, kind in rows if kind == "weight"} == set(weights)
@@ -217,7 +218,8 @@ def check_report(report, weights: dict) -> None:
         row = rows[layer, "weight"]
         for label in FORMATS[1:]:
             c = B.parse(label).casts["weight"]
-            want = B.measure(ws[0], c).merge(*[B.measure(w, c) for w in ws[1:]]).to_json()
+            of = recipe_weights[layer] if recipe_weights is not None and label.startswith("recipe:") else ws
+            want = B.measure(of[0], c).merge(*[B.measure(w, c) for w in of[1:]]).to_json()
             got = row.measured[label]
             assert got.keys() == want.keys()
             for key, value in want.items():  # counts exact; sums in another order: to rounding
@@ -237,7 +239,9 @@ def test_torch_doctor_measures_block_formats_and_writes_them(tmp_path):
     batch = (torch.randn(8, 40), torch.randn(8, 3))
     report = pa.doctor(model, batch, torch.nn.functional.mse_loss, optimizer=opt, formats=FORMATS)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    check_report(report, {n: [p.detach().numpy() for p in model[int(n)].parameters()] for n in ("0", "2")})
+    # a recipe quantizes a Linear's weight, not its bias: its label measures the weight alone
+    check_report(report, {n: [p.detach().numpy() for p in model[int(n)].parameters()] for n in ("0", "2")},
+                 {n: [model[int(n)].weight.detach().numpy()] for n in ("0", "2")})
     scalar = pa.doctor(model, batch, torch.nn.functional.mse_loss, formats=("bf16",))
     assert scalar.measured == () and all(not r.measured for r in scalar.rows)
     assert all(not ob.measured for ob in scalar.observations)

@@ -27,12 +27,13 @@ with warnings.catch_warnings():
     mx = require("mxnet")
 from mxnet import autograd, gluon  # noqa: E402
 from mxnet.contrib.amp.amp import bfloat16  # noqa: E402
+from mxnet_caps import bf16_or_none, needs_bf16  # noqa: E402
 
 import polyamp.mxnet.binning as binning  # noqa: E402
 from polyamp.mxnet.doctor import collect, histogram, ratio_histogram  # noqa: E402
 from polyamp.mxnet.keep import float32_operators, keep_float32  # noqa: E402
 
-MP = pa.MixedPrecision("bf16-mixed", framework="mxnet")  # amp.init, before any network exists
+MP = bf16_or_none("bf16-mixed")  # amp.init, before any network exists (None: no bf16 here)
 pytestmark = pytest.mark.filterwarnings("ignore:Please import `csr_matrix`:DeprecationWarning")
 
 
@@ -696,6 +697,7 @@ def uninitialised():
     return net
 
 
+@needs_bf16  # amp.init_trainer needs contrib.amp set up
 def test_a_trainer_prepared_by_contrib_amp_or_on_a_kvstore_is_refused():
     net = tiny()
     native = gluon.Trainer(net.collect_params(), "sgd")
@@ -728,6 +730,7 @@ def output_dtypes(net, x):
     return {name: "bfloat16" if np.dtype(d).names else np.dtype(d).name for name, d in seen.items()}
 
 
+@needs_bf16
 def test_a_kept_layer_computes_in_float32_and_the_others_in_bf16():
     x = mx.nd.random.normal(shape=(4, 16))
     net = dense3()
@@ -752,6 +755,7 @@ def test_a_kept_layer_computes_in_float32_and_the_others_in_bf16():
     assert mp.step(trainer, batch_size=4).stepped
 
 
+@needs_bf16
 def test_keep_fp32_in_a_hybridized_model_and_its_removal():
     x = mx.nd.random.normal(shape=(4, 16))
     net = dense3(hybridize=True)
@@ -767,6 +771,7 @@ def test_keep_fp32_in_a_hybridized_model_and_its_removal():
     assert np.dtype(again(x).dtype).names == ("bfloat16",) and "hybrid_forward" not in vars(again[2])
 
 
+@needs_bf16
 def test_keep_fp32_names_the_layers_collect_names():
     class Model(gluon.HybridBlock):
         def __init__(self):
@@ -832,6 +837,7 @@ except ValueError as err:
     assert out.stdout.startswith("PolyampError contrib.amp.init ran before polyamp.mxnet was imported")
 
 
+@needs_bf16
 def test_keep_fp32_refuses_a_plain_block_it_cannot_cast():
     class Plain(gluon.Block):
         def __init__(self):

@@ -20,6 +20,7 @@ from polyamp.doctor import KINDS, N_BINS, LogHistogram, Observation, update_rati
 tf = require("tensorflow")
 keras = require("keras")
 
+from polyamp.doctor.blocks import measure, parse  # noqa: E402
 from polyamp.tensorflow.doctor import collect, histogram, ratio_histogram  # noqa: E402
 
 
@@ -724,8 +725,7 @@ def test_a_step_that_cannot_be_traced_runs_eagerly(traces, network, why):
         (lambda m, b: collect(m, b, mse, steps=0), "steps must be a whole number >= 1, got 0"),
         (lambda m, b: collect(m, b, mse, steps=1.0), "steps must be a whole number"),
         (lambda m, b: collect(m, b, mse, steps=True), "steps must be a whole number"),
-        (lambda m, b: collect(m, (b[0].numpy(), b[1]), mse), r"got numpy.ndarray.*tf.convert_to_tensor"),
-        (lambda m, b: collect(m, b[0].numpy(), mse), "expected TensorFlow tensors"),
+        (lambda m, b: collect(m, (b[0].numpy().tolist(), b[1]), mse), r"numpy arrays.*got builtins.float"),
         (lambda m, b: collect(m, (b[0], 1.0), mse), "got builtins.float"),
         (lambda m, b: collect(m, (b[0], b[1], b[1], b[1]), mse), r"\(x, y\) or \(x, y, sample_weight\)"),
         (lambda m, b: collect(m, (tf.ones((16, 5)), b[1]), mse), r"forward failed.*\(16, 5\)"),
@@ -768,11 +768,54 @@ def _frozen(model):
 
 def test_a_batch_of_another_framework_is_refused():
     torch = require("torch")
-    with pytest.raises(PolyampError, match="TensorFlow tensors, got torch.Tensor"):
+    with pytest.raises(PolyampError, match="TensorFlow tensors or numpy arrays .*got torch.Tensor"):
         collect(tiny(), (torch.zeros(2, 8), tf.zeros((2, 4))), mse)
     jnp = require("jax").numpy
-    with pytest.raises(PolyampError, match="expected TensorFlow tensors, got jax"):
+    with pytest.raises(PolyampError, match="expected TensorFlow tensors or numpy arrays .*got jax"):
         collect(tiny(), ({"x": jnp.ones((2, 8))}, tf.zeros((2, 4))), mse)
+
+
+def test_numpy_batches_are_taken_as_fit_takes_them():
+    """numpy arrays (float64 ones cast to floatx, as fit does), tuples of them and dicts of them (a
+    keras_hub model's inputs) observe what the same TensorFlow tensors do."""
+    x, y = batch_of()
+    want = table_of(collect(tiny(), (x, y), mse))
+    for batch in ((x.numpy(), y.numpy()), (x.numpy().astype(np.float64), y.numpy()), [x.numpy(), y]):
+        assert table_of(collect(tiny(), batch, mse)) == want
+    keras.utils.set_random_seed(3)
+    ids, mask = keras.Input((6,), dtype="int32", name="token_ids"), keras.Input((6,), name="padding_mask")
+    h = keras.layers.Embedding(10, 8, name="embed")(ids) * keras.ops.expand_dims(mask, -1)
+    model = keras.Model({"token_ids": ids, "padding_mask": mask}, keras.layers.Dense(4, name="head")(h))
+    rng = np.random.default_rng(0)
+    inputs = {"token_ids": rng.integers(0, 10, (3, 6)).astype(np.int32), "padding_mask": np.ones((3, 6))}
+    target = rng.standard_normal((3, 6, 4))
+    got = table_of(collect(model, (inputs, target), mse))
+    tensors = ({k: tf.constant(v, tf.int32 if k == "token_ids" else tf.float32) for k, v in inputs.items()},
+               tf.constant(target, tf.float32))  # fmt: skip
+    assert got == table_of(collect(model, tensors, mse)) and ("embed", "grad_weight") in got
+
+
+def test_a_recipe_measures_only_what_it_would_quantize():
+    """recipe:mxfp8's rows: each Dense / EinsumDense's kernel and output gradient, and the outputs that
+    are a matmul layer's input; a block format measures every tapped tensor."""
+    keras.utils.set_random_seed(3)
+    x = keras.Input((6, 8))
+    h = keras.layers.Dense(16, name="fc1")(x)
+    h = keras.layers.LayerNormalization(name="norm")(h)
+    h = keras.layers.MultiHeadAttention(2, 8, name="attn")(h, h)
+    model = keras.Model(x, keras.layers.Dense(4, name="head")(keras.layers.Activation("gelu", name="act")(h)))
+    rng = np.random.default_rng(0)
+    batch = (rng.standard_normal((2, 6, 8)), rng.standard_normal((2, 6, 4)))
+    obs = collect(model, batch, mse, measure=(parse("recipe:mxfp8"), parse("mxfp8_e4m3")))
+    recipe = {(o.layer, o.kind) for o in obs if "recipe:mxfp8" in o.measured}
+    matmuls = ["fc1", "attn/query", "attn/key", "attn/value", "attn/attention_output", "head"]
+    assert recipe == {*((n, k) for n in matmuls for k in ("weight", "grad_output")), ("norm", "output"),
+                      ("act", "output")}  # fmt: skip
+    assert {(o.layer, o.kind) for o in obs if "mxfp8_e4m3" in o.measured} == {(o.layer, o.kind) for o in obs}
+    kernel = model.get_layer("head").kernel.numpy().T  # measured as (in, out) transposed: blocks along in
+    want = measure(kernel, parse("recipe:mxfp8").casts["weight"]).to_json()
+    head = next(o for o in obs if (o.layer, o.kind) == ("head", "weight"))
+    assert head.measured["recipe:mxfp8"].to_json() == want  # the kernel alone, not the bias
 
 
 def test_non_floating_tensors_are_refused():

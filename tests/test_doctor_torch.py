@@ -627,3 +627,27 @@ def test_batched_binning_on_an_accelerator_equals_the_core_tensor_by_tensor():
     us = [wide(500, torch.float32, 4) * 1e-3, torch.tensor([1.0, 0.0, 1.0, 1e30, 1e-30, math.nan])]
     for u, w, part in zip(us, ws, binning_device.ratio_many(us, ws)):
         assert torch_binning.merged([part]) == update_ratio_histogram(u.numpy(), w.numpy())
+
+
+def test_recipe_tables_measure_only_what_the_torch_recipe_quantizes():
+    import polyamp as pa
+    from polyamp.doctor import blocks as B
+
+    conv1d = require("transformers").pytorch_utils.Conv1D
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), conv1d(24, 32), nn.GELU(), nn.Linear(24, 3))
+    batch = (torch.randn(6, 8), torch.randn(6, 3))
+    report = pa.doctor(model, batch, nn.functional.mse_loss, formats=("bf16", "recipe:mxfp8", "mxfp8_e4m3"))
+    recipe = {(r.layer, r.kind) for r in report.rows if "recipe:mxfp8" in r.measured}
+    # weights and output gradients of the three GEMM layers; the inputs a leaf produced (LayerNorm's output
+    # into the Conv1D, GELU's into the last Linear); not LayerNorm's weight, not the model's input
+    assert recipe == {*((n, k) for n in ("0", "2", "4") for k in ("weight", "grad_output")),
+                      ("1", "output"), ("3", "output")}  # fmt: skip
+    blocks = {(r.layer, r.kind) for r in report.rows if "mxfp8_e4m3" in r.measured}
+    assert ("1", "weight") in blocks and ("0", "output") in blocks  # a block format measures every tensor
+    row = next(r for r in report.rows if (r.layer, r.kind) == ("2", "weight"))
+    cast = B.parse("recipe:mxfp8").casts["weight"]
+    want = B.measure(model[2].weight.detach().numpy().T, cast).to_json()  # (in, out): in the GEMM's layout
+    assert row.measured["recipe:mxfp8"] == pytest.approx(want)
+    lin = next(r for r in report.rows if (r.layer, r.kind) == ("0", "weight"))
+    assert lin.measured["recipe:mxfp8"]["total"] == model[0].weight.numel()  # the bias is not quantized

@@ -28,8 +28,9 @@ with warnings.catch_warnings():
     mx = require("mxnet")
 from mxnet import autograd, gluon  # noqa: E402
 from mxnet.contrib import amp  # noqa: E402
+from mxnet_caps import BF16_UNSUPPORTED, bf16_or_none, needs_bf16  # noqa: E402
 
-MP = pa.MixedPrecision("bf16-mixed", framework="mxnet")  # amp.init, before any network exists
+MP = bf16_or_none("bf16-mixed")  # amp.init, before any network exists (None: this CPU computes no bf16)
 ROOT = Path(__file__).parents[1]
 L2 = gluon.loss.L2Loss()
 pytestmark = [
@@ -85,6 +86,7 @@ def run_python(code, *args, python=sys.executable, env=None):
 
 
 # -- the policy ------------------------------------------------------------------------------------
+@needs_bf16
 @pytest.mark.parametrize("hybridize", [False, True])
 def test_dense_layers_run_in_bf16_and_the_loss_in_fp32(hybridize):
     net = build(hybridize=hybridize)
@@ -98,6 +100,7 @@ def test_dense_layers_run_in_bf16_and_the_loss_in_fp32(hybridize):
 
 
 # -- against contrib.amp ------------------------------------------------------------------------
+@needs_bf16
 def test_bf16_steps_are_bit_identical_to_contrib_amp_on_the_same_overflow_pattern():
     """Native: amp.init_trainer + amp.scale_loss + trainer.step, contrib's LossScaler. polyamp: the
     mxnet preset. Same weights, data and injected overflows: same skips, scales and weights."""
@@ -234,6 +237,7 @@ print(json.dumps(result))
 """
 
 
+@needs_bf16
 def test_loss_output_ops_take_one_sgd_step_like_native_contrib_amp_and_fp32():
     """bf16-mixed (no loss scale): the ops must not multiply by contrib.amp's 65536. Native
     contrib.amp scales by 2^16 and unscales exactly, so its weights are bit-identical."""
@@ -286,6 +290,7 @@ def loss_output_run(op, twin, steps=6, overflow=1):
     return weights, scales
 
 
+@needs_bf16
 @pytest.mark.parametrize("op", list(TWINS))
 def test_loss_output_ops_follow_the_mxnet_scale_after_an_overflow(op):
     """loss_scale='mxnet' halves the scale one step after the overflow; the op must halve too."""
@@ -296,6 +301,7 @@ def test_loss_output_ops_follow_the_mxnet_scale_after_an_overflow(op):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-3, err_msg=f"step {step}")
 
 
+@needs_bf16
 def test_a_loss_output_op_in_a_hybridized_block_is_refused_under_a_loss_scale():
     """In a hybridized block the op's grad_scale is fixed in the cached graph (contrib.amp does
     not scale it there at all): it cannot follow a loss scale, but runs unscaled without one."""
@@ -328,6 +334,7 @@ def test_a_loss_output_op_in_a_hybridized_block_is_refused_under_a_loss_scale():
     assert MP.step(trainer, 2).stepped
 
 
+@needs_bf16
 def test_a_loss_output_op_run_under_another_mixed_precision_is_refused():
     """The ops read one process-wide scale when they run: the MixedPrecision used last's."""
     net = gluon.nn.Dense(3, in_units=4)
@@ -348,6 +355,111 @@ def test_a_loss_output_op_run_under_another_mixed_precision_is_refused():
     assert other.current_scale == 8.0
 
 
+class Affine(gluon.HybridBlock):
+    """out = x * w + b, elementwise (no FullyConnected: runs in float32 under contrib.amp on any CPU)."""
+
+    def __init__(self, units=3):
+        super().__init__()
+        self.w = self.params.get("w", shape=(1, units))
+        self.b = self.params.get("b", shape=(1, units))
+
+    def hybrid_forward(self, F, x, w, b):
+        return F.broadcast_add(F.broadcast_mul(x, w), b)
+
+
+def native_loss_output_run(op, twin, steps=3):
+    """Affine(3) trained by a native contrib.amp trainer (amp.init_trainer, amp.scale_loss, trainer.step)
+    with ``op`` (or its gluon.loss twin) in this process, where polyamp's MP exists; the weights after each
+    step."""
+    rng = np.random.default_rng(6)
+    net = Affine()
+    net.initialize()
+    for p in net.collect_params().values():
+        p.set_data(mx.nd.array(rng.uniform(0.5, 1.5, p.shape).astype(np.float32)))
+    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5}, update_on_kvstore=False)
+    amp.init_trainer(trainer)
+    x = mx.nd.array(rng.standard_normal((16, 3)).astype(np.float32))
+    label = mx.nd.array(rng.integers(0, 3, 16) if op == "SoftmaxOutput" else rng.standard_normal((16, 3)))
+    weights = []
+    for _ in range(steps):
+        with autograd.record():
+            out = net(x)
+            loss = TWINS[op](out, label) if twin else getattr(mx.nd, op)(out, label)
+            with amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        trainer.step(16)
+        weights.append(net.w.data().asnumpy().copy())
+    return weights
+
+
+@needs_bf16
+@pytest.mark.parametrize("op", list(TWINS))
+def test_a_native_contrib_amp_trainer_beside_a_mixed_precision_unscales_loss_output_gradients_once(op):
+    """Issue 29: polyamp's MP exists, a native contrib.amp trainer trains with a loss-output op. The op
+    must multiply its gradient by contrib.amp's scale (2^16), which the trainer divides out, as its
+    gluon.loss twin's is (it took polyamp's 1 instead: updates 2^16 too small)."""
+    with_op, twin = native_loss_output_run(op, twin=False), native_loss_output_run(op, twin=True)
+    for step, (a, b) in enumerate(zip(with_op, twin)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+    assert not np.allclose(with_op[-1], with_op[0])  # it trained
+
+
+@needs_bf16
+def test_polyamp_does_not_leave_its_scale_in_contrib_amps_loss_scaler():
+    """A MixedPrecision's op call sets contrib.amp's process-wide scaler for that call only: a native
+    trainer that owns the scaler keeps its own scale."""
+    net = Affine()
+    net.initialize(mx.init.One())  # out = x * 1 + 1 = 2 on ones
+    mine = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=8.0)
+    trainer = mine.trainer(gluon.Trainer(net.collect_params(), "sgd"))
+    before = amp.amp._loss_scaler.loss_scale
+    x, label = mx.nd.ones((2, 3)), mx.nd.zeros((2, 3))
+    with autograd.record():
+        out = mx.nd.LinearRegressionOutput(net(x), label)
+        with mine.scale_loss(out, trainer) as scaled:
+            autograd.backward(scaled)
+    assert before != 8.0 and amp.amp._loss_scaler.loss_scale == before
+    # dL/dw = sum over the batch of (out - label) * 8 / 3 outputs
+    np.testing.assert_allclose(net.w.grad().asnumpy(), np.full((1, 3), 2 * 2 * 8.0 / 3), rtol=1e-6)
+
+
+@needs_bf16
+def test_native_and_polyamp_trainers_taking_turns_on_loss_output_ops_are_refused_then_follow():
+    """The ops follow whichever was used last: a forward pass that ran under the other's scale is refused,
+    at amp.scale_loss and at mp.scale_loss, and the ops follow the one refusing from then on."""
+    x, label = mx.nd.ones((2, 3)), mx.nd.zeros((2, 3))
+    native_net, polyamp_net = Affine(), Affine()
+    native_net.initialize()
+    polyamp_net.initialize()
+    native = gluon.Trainer(native_net.collect_params(), "sgd", update_on_kvstore=False)
+    amp.init_trainer(native)
+    mine = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=4.0)  # the ops follow it
+    ours = mine.trainer(gluon.Trainer(polyamp_net.collect_params(), "sgd"))
+    for attempt in range(2):
+        with autograd.record():
+            out = mx.nd.LinearRegressionOutput(native_net(x), label)
+            if attempt == 0:
+                with pytest.raises(PolyampError, match=r"by 4, the scale of the polyamp MixedPrecision.*"
+                                                       r"run the forward pass again"):
+                    amp.scale_loss(out, native)
+                continue
+            with amp.scale_loss(out, native) as scaled:
+                autograd.backward(scaled)
+    native.step(2)
+    with autograd.record():  # contrib.amp was used last
+        out = mx.nd.LinearRegressionOutput(polyamp_net(x), label)
+        with pytest.raises(PolyampError, match=r"contrib.amp's loss scale 65536, not this MixedPrecision's"):
+            mine.scale_loss(out, ours)
+    with autograd.record():
+        out = mx.nd.LinearRegressionOutput(polyamp_net(x), label)
+        with mine.scale_loss(out, ours) as scaled:
+            autograd.backward(scaled)
+    assert mine.step(ours, 2).stepped
+    with pytest.raises(PolyampError, match=r"amp.init_trainer got a trainer that mp.trainer\(\) prepared"):
+        amp.init_trainer(ours)
+
+
+@needs_bf16
 def test_nan_loss_every_step_raises_after_max_consecutive_skips():
     net = build()
     mp = pa.MixedPrecision(
@@ -364,6 +476,7 @@ def test_nan_loss_every_step_raises_after_max_consecutive_skips():
         mp.step(trainer, 32)
 
 
+@needs_bf16
 def test_the_guard_costs_no_more_than_the_scalers_check(tmp_path):
     """Counted by MXNet's profiler over one step each, beyond the unguarded step (guard=False):
     the guard queues one all_finite per gradient into one flag and syncs once; the loss scaler's
@@ -399,6 +512,7 @@ def test_the_guard_costs_no_more_than_the_scalers_check(tmp_path):
 
 
 # -- the rest of the step --------------------------------------------------------------------------
+@needs_bf16
 def test_clipping_reports_the_unscaled_norm_and_clips():
     net, reference = build(), build()
     mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=1024.0)
@@ -415,6 +529,7 @@ def test_clipping_reports_the_unscaled_norm_and_clips():
     assert total == pytest.approx(1e-3, rel=1e-4)
 
 
+@needs_bf16
 def test_gradient_accumulation_is_refused_because_mxnet_bf16_amp_drops_it():
     """MXNet 1.9 with bf16 AMP leaves gradients at 0 when grad_req='add': polyamp says so."""
     net = build(grad_req="add")
@@ -434,6 +549,7 @@ def test_gradient_accumulation_is_refused_because_mxnet_bf16_amp_drops_it():
         MP.step(trainer, 32)
 
 
+@needs_bf16
 def test_several_trainers_step_or_skip_together():
     net = build()
     mp = pa.MixedPrecision("bf16-mixed", framework="mxnet")
@@ -451,6 +567,7 @@ def test_several_trainers_step_or_skip_together():
     assert not any(np.array_equal(a, b) for a, b in zip(before, params_of(net)))
 
 
+@needs_bf16
 def test_two_devices_are_all_reduced_before_the_check_and_update_off_the_kvstore():
     """Two CPU contexts hold a copy each; the trainer's kvstore sums their gradients, so an inf in
     one copy skips the step on both, and a clean step equals one device on the whole batch."""
@@ -488,6 +605,7 @@ def test_two_devices_are_all_reduced_before_the_check_and_update_off_the_kvstore
         np.testing.assert_allclose(update, expected, rtol=0, atol=0.02 * np.abs(expected).max())
 
 
+@needs_bf16
 def test_two_devices_are_all_reduced_once_per_step():
     """Without a loss scale a plain backward may feed mp.step; its gradients must be summed over
     the devices once, as after mp.scale_loss (a second all-reduce would double them)."""
@@ -509,6 +627,7 @@ def test_two_devices_are_all_reduced_once_per_step():
         summed.append([g.asnumpy() for p in net.collect_params().values() for g in p.list_grad()])
     assert same(*summed)
 
+@needs_bf16
 def test_debug_names_the_first_layer_with_a_nonfinite_output():
     net = build(hybridize=False, activation="tanh")  # relu would turn the NaN into 0
     mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", debug=True)
@@ -524,10 +643,53 @@ def test_debug_names_the_first_layer_with_a_nonfinite_output():
 
 # -- bad input: one clear error each, nothing changed ----------------------------------------------
 def test_fp16_on_cpu_is_unsupported_with_the_reason():
-    with pytest.raises(UnsupportedError, match=r"FullyConnected exists only in the cuDNN .*'bf16-mixed'"):
+    """The CPU path it names is bf16-mixed where MXNet computes bf16 here, float32 where it does not."""
+    instead = "'float32' \\(this CPU computes no bfloat16 either\\)" if BF16_UNSUPPORTED else "'bf16-mixed'"
+    with pytest.raises(UnsupportedError, match=r"FullyConnected exists only in the cuDNN .*use " + instead):
         pa.MixedPrecision("fp16-mixed", framework="mxnet")
     with pytest.raises(UnsupportedError, match="cuDNN"):
         pa.MixedPrecision("fp16-mixed", framework="mxnet", device="cpu")
+
+
+BF16_PROBE = """
+import warnings
+warnings.simplefilter("ignore")
+import mxnet as mx
+from mxnet import gluon
+from mxnet.contrib import amp
+amp.init(target_dtype="bfloat16")
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Dense(4, in_units=3), gluon.nn.Conv1D(2, 3, in_channels=1))
+net.initialize()
+print("dense", float(mx.nd.amp_cast(net[0](mx.nd.ones((2, 3))), dtype="float32").sum().asscalar()))
+print("conv", float(mx.nd.amp_cast(net[1](mx.nd.ones((1, 1, 5))), dtype="float32").sum().asscalar()))
+"""
+
+
+def test_bf16_is_refused_exactly_where_the_probe_finds_mxnet_cannot_compute_it():
+    """The probe's verdict (a tiny bf16 FullyConnected + Convolution in a child process) against a Gluon
+    Dense and Conv1D under contrib.amp's bf16 in another one; where unsupported, bf16-mixed and a recipe
+    are one UnsupportedError naming the reason and the way out, a float32-compute recipe is not."""
+    from polyamp.mxnet.capability import bf16_unsupported
+
+    assert bf16_unsupported() == BF16_UNSUPPORTED  # cached: one probe per process
+    direct = run_python(BF16_PROBE)
+    assert (direct.returncode == 0 and "conv" in direct.stdout) == (BF16_UNSUPPORTED is None), direct.stderr
+    if BF16_UNSUPPORTED is None:
+        assert MP is not None and MP.policy.compute_dtype == "bfloat16"
+        assert pa.MixedPrecision("fp8-tensorwise", framework="mxnet").recipe.name == "fp8-tensorwise"
+        return
+    assert re.search("primitive descriptor|Unsupported type", direct.stderr), direct.stderr[-800:]
+    words = (r"computes in bfloat16, and MXNet's oneDNN computes no bfloat16 on this CPU: MXNet 1.9.1's bf16 "
+             r"FullyConnected and Convolution kernels need AVX-512 \(avx512_core, or avx512_bf16\), and this "
+             r"CPU .*Use 'float32' \(recipes: compute_dtype='fp32'\), 'fp16-mixed' on a GPU with cuDNN")
+    for spec, label in (("bf16-mixed", "policy 'bf16-mixed'"), ("fp8-tensorwise", "recipe 'fp8-tensorwise'"),
+                        ("mxfp8:keep=", "recipe 'mxfp8:keep='")):  # fmt: skip
+        with pytest.raises(UnsupportedError, match=re.escape(label) + " " + words):
+            pa.MixedPrecision(spec, framework="mxnet")
+    assert not amp.amp._amp_initialized  # nothing was set up
+    fp32 = pa.MixedPrecision("mxfp8:compute_dtype=fp32", framework="mxnet")
+    assert fp32.policy.compute_dtype == "float32" and not amp.amp._amp_initialized
 
 
 TRUE_POLICY_REASONS = {
@@ -545,6 +707,7 @@ def test_true_policies_are_refused_with_the_reason(policy):
         pa.MixedPrecision(policy, framework="mxnet")
 
 
+@needs_bf16
 def test_mxnet_cannot_update_bfloat16_parameters():
     """The reason bf16-true is refused (asserted, so that a fixed MXNet would show)."""
     bf16 = amp.amp.bfloat16
@@ -563,13 +726,15 @@ def test_mxnet_cannot_update_bfloat16_parameters():
 def test_a_trainer_updating_on_the_kvstore_is_refused():
     net = build()
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=True)
+    mp = MP or pa.MixedPrecision("float32", framework="mxnet")  # the check is the same under any policy
     with pytest.raises(
         PolyampError, match=r"update_on_kvstore=True.*gluon.Trainer\(\.\.\., update_on_kvstore=False\)"
     ):
-        MP.trainer(trainer)
+        mp.trainer(trainer)
     assert not getattr(trainer, "_polyamp", False) and trainer._kvstore_params["update_on_kvstore"] is True
 
 
+@needs_bf16
 def test_trainer_misuse_is_refused():
     net = build()
     native = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, update_on_kvstore=False)
@@ -584,6 +749,7 @@ def test_trainer_misuse_is_refused():
         backward(MP, net, raw, x, y)
 
 
+@needs_bf16
 def test_step_misuse_is_refused_and_changes_nothing():
     net = build()
     mp = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale="mxnet")
@@ -608,6 +774,7 @@ def test_step_misuse_is_refused_and_changes_nothing():
         grouped.step(trainer, 32)
 
 
+@needs_bf16
 def test_float32_in_a_process_running_bf16_amp_is_refused():
     with pytest.raises(PolyampError, match="process-wide .* bfloat16; it cannot be turned off"):
         pa.MixedPrecision("float32", framework="mxnet")
@@ -660,6 +827,7 @@ FRESH_CASES = {
 }
 
 
+@needs_bf16
 @pytest.mark.parametrize("case", list(FRESH_CASES))
 def test_policy_set_after_the_network_exists_is_one_clear_error(case):
     out = run_python(FRESH, case)
@@ -668,13 +836,19 @@ def test_policy_set_after_the_network_exists_is_one_clear_error(case):
 
 
 # -- the example, the compare networks, the core under numpy 1.23 ---------------------------------
-def test_example_trains_skips_the_injected_overflows_and_refuses_fp16():
+def run_example(*args):
     example = str(ROOT / "examples" / "mxnet_amp.py")
+    return subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=300)
 
-    def run(*args):
-        return subprocess.run([sys.executable, example, *args], capture_output=True, text=True, timeout=300)
 
-    out = run("--loss-scale", "mxnet", "--overflow-every", "10", "--steps", "200")
+def test_the_example_refuses_fp16():
+    fp16 = run_example("--policy", "fp16-mixed", "--steps", "3")
+    assert fp16.returncode == 2 and "unsupported here" in fp16.stdout and "cuDNN" in fp16.stdout
+
+
+@needs_bf16
+def test_example_trains_skips_the_injected_overflows():
+    out = run_example("--loss-scale", "mxnet", "--overflow-every", "10", "--steps", "200")
     assert out.returncode == 0, out.stderr[-2000:]
     match = re.search(
         r"ran in bfloat16; loss ([\d.]+) -> ([\d.]+), (\d+) steps skipped, final scale ([\d.e+-]+)",
@@ -684,8 +858,6 @@ def test_example_trains_skips_the_injected_overflows_and_refuses_fp16():
     first, last, skipped, scale = match.groups()
     assert float(last) < float(first) / 5 and int(skipped) == 20
     assert float(scale) == 2.0**16 / 2**20  # contrib.amp's scaler halves without a floor
-    fp16 = run("--policy", "fp16-mixed", "--steps", "3")
-    assert fp16.returncode == 2 and "unsupported here" in fp16.stdout and "cuDNN" in fp16.stdout
 
 
 LOSSES = """
@@ -707,16 +879,27 @@ def losses(python, framework, policy):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_compare_builds_the_same_networks_as_torch():
+@pytest.fixture(scope="module")
+def float32_losses():
+    """compare/mxnet.py's float32 losses and metric at quick sizes (a process of their own)."""
+    return losses(sys.executable, "mxnet", "float32")
+
+
+def test_compare_builds_the_same_networks_as_torch(float32_losses):
     """float32, quick sizes: the first three train losses and the metric match compare/torch.py."""
     if not MAIN_PYTHON.exists():
         pytest.skip("needs the main environment (.venv, with torch) to compare against")
-    ours, theirs = losses(sys.executable, "mxnet", "float32"), losses(MAIN_PYTHON, "torch", "float32")
+    ours, theirs = float32_losses, losses(MAIN_PYTHON, "torch", "float32")
     for name in ours:
         np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-4)
+
+
+@needs_bf16
+def test_compare_trains_its_networks_in_bf16_close_to_float32(float32_losses):
     from polyamp.compare import mxnet as compare_mxnet  # bf16 AMP is already on in this process
     from polyamp.compare.workloads import get_workload
 
+    ours = float32_losses
     for name in ours:
         trainer = compare_mxnet.Trainer(get_workload(name, quick=True), "bf16-mixed")
         bf16 = [trainer.step(i) for i in range(3)]

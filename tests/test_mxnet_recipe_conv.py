@@ -13,7 +13,7 @@ import pytest
 from frameworks import require
 
 import polyamp as pa
-from polyamp import UnsupportedError, recipes
+from polyamp import recipes
 from polyamp.numerics import hadamard_tiles
 
 with warnings.catch_warnings():
@@ -21,8 +21,9 @@ with warnings.catch_warnings():
     mx = require("mxnet")
 from mxnet import autograd, gluon  # noqa: E402
 from mxnet.contrib import amp  # noqa: E402
+from mxnet_caps import bf16_or_none, needs_bf16  # noqa: E402
 
-MP = pa.MixedPrecision("fp8-tensorwise", framework="mxnet")  # amp.init, before any network exists
+MP = bf16_or_none("fp8-tensorwise")  # amp.init, before any network exists (None: no bf16 here)
 from polyamp.mxnet import recipe as mr  # noqa: E402
 from polyamp.mxnet import recipe_conv as mc  # noqa: E402
 
@@ -47,7 +48,7 @@ GEOMETRIES = {
 
 def host(t) -> np.ndarray:
     if np.dtype(t.dtype).names == ("bfloat16",):
-        t = mx.nd.amp_cast(t, dtype="float32")
+        t = mx.nd.cast(t, dtype="float32")  # exact (amp_cast makes -0 +0 without AVX-512)
     return t.asnumpy()
 
 
@@ -123,13 +124,18 @@ def spread(rng, shape):
     return (rng.standard_normal(shape) * scales).astype(np.float32)
 
 
-CASES = [("fp8-tensorwise", {}, "2d", "fp32"), ("fp8-tensorwise", {}, "groups", "bf16"),
-         ("fp8-delayed", {}, "2d", "fp32"), ("fp8-delayed", {}, "1d", "bf16"),
-         ("mxfp8", {"scale_rule": "floor"}, "2d", "fp32"), ("mxfp8", {}, "2d", "bf16"),
+def bf16(*case):
+    """A case computing in bf16: skipped where MXNet computes no bf16 on this CPU (mxnet_caps.py)."""
+    return pytest.param(*case, marks=needs_bf16)
+
+
+CASES = [("fp8-tensorwise", {}, "2d", "fp32"), bf16("fp8-tensorwise", {}, "groups", "bf16"),
+         ("fp8-delayed", {}, "2d", "fp32"), bf16("fp8-delayed", {}, "1d", "bf16"),
+         ("mxfp8", {"scale_rule": "floor"}, "2d", "fp32"), bf16("mxfp8", {}, "2d", "bf16"),
          ("mxfp8", {}, "groups", "fp32"), ("mxfp8", {}, "1d", "fp32"),
-         ("nvfp4", {}, "2d", "fp32"), ("nvfp4", {}, "groups", "bf16"), ("nvfp4", {}, "1d", "fp32"),
+         ("nvfp4", {}, "2d", "fp32"), bf16("nvfp4", {}, "groups", "bf16"), ("nvfp4", {}, "1d", "fp32"),
          ("nvfp4", {"hadamard": True}, "2d", "fp32"),
-         ("nvfp4", {"hadamard": True}, "1d", "bf16")]  # fmt: skip
+         bf16("nvfp4", {"hadamard": True}, "1d", "bf16")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "extra", "geometry", "compute"), CASES)
@@ -235,6 +241,7 @@ def quantized_layers(net, x):
     return seen
 
 
+@needs_bf16
 def test_keep_counts_conv_and_dense_blocks_together():
     net = cnn()
     x = mx.nd.array(np.random.default_rng(1).standard_normal((4, 3, 8, 8)).astype(np.float32))
@@ -254,6 +261,7 @@ def test_keep_counts_conv_and_dense_blocks_together():
 @pytest.mark.parametrize("block, shape", [
     (gluon.nn.Conv2D(8, 3, strides=2, padding=1, in_channels=32, activation="relu"), (2, 32, 6, 6)),
     (gluon.nn.Conv3D(8, 2, in_channels=32, use_bias=False), (2, 32, 3, 4, 4))])  # fmt: skip
+@needs_bf16
 def test_a_watched_block_runs_the_quantized_convolution_with_its_own_arguments(block, shape):
     net = gluon.nn.Sequential()
     net.add(block)
@@ -270,6 +278,7 @@ def test_a_watched_block_runs_the_quantized_convolution_with_its_own_arguments(b
     assert np.isfinite(host(block.weight.grad())).all() and np.abs(host(block.weight.grad())).sum() > 0
 
 
+@needs_bf16
 def test_delayed_histories_are_kept_per_conv_layer_in_the_state_dict():
     net = cnn(hybrid=False)
     mp = pa.MixedPrecision("fp8-delayed:keep=", framework="mxnet")
@@ -285,6 +294,7 @@ def test_delayed_histories_are_kept_per_conv_layer_in_the_state_dict():
     assert max(delayed["0|input"]["history"]) == amax_x and delayed["0|input"]["steps"] == 1
 
 
+@needs_bf16
 def test_a_small_cnn_trains_with_mxfp8():
     net = cnn()
     mp = pa.MixedPrecision("mxfp8", framework="mxnet")
@@ -306,6 +316,7 @@ def test_a_small_cnn_trains_with_mxfp8():
     assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:3]), losses
 
 
+@needs_bf16
 @pytest.mark.parametrize("spec", ["fp8-delayed:keep=", "nvfp4:hadamard=true"])
 def test_a_hybridized_cnn_trains_bit_identically_to_the_imperative_one(spec):
     """The quantized convolutions inside a hybridized graph (the custom operator, shapes from
@@ -333,12 +344,25 @@ def test_a_hybridized_cnn_trains_bit_identically_to_the_imperative_one(spec):
     assert all(np.array_equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
 
 
-def test_conv_errors():
+@needs_bf16
+def test_recipe_layers_count_the_convs_and_record_frozen_and_channels_last_ones_unsupported():
+    """Conv and Dense blocks counted together (first / last), by block path; a frozen conv and a
+    channels-last conv are recorded as unsupported (they compute as bf16-mixed), not quantized."""
+    mp = pa.MixedPrecision("mxfp8", framework="mxnet")
+    mp.watch(cnn())
+    assert mp.recipe_layers.quantized == ["1", "2"]
+    assert mp.recipe_layers.kept == {"0": "keep 'first'", "4": "keep 'last'"}
     frozen = cnn(hybrid=False)
     frozen[1].weight.grad_req = "null"
-    with pytest.raises(UnsupportedError, match="Conv2D '1' has parameters without gradients"):
-        pa.MixedPrecision("mxfp8", framework="mxnet").watch(frozen)
+    mp = pa.MixedPrecision("mxfp8:keep=", framework="mxnet")
+    mp.watch(frozen)
+    assert mp.recipe_layers.quantized == ["0", "2", "4"]
+    assert mp.recipe_layers.kept["1"].startswith("unsupported: Conv2D: parameters without gradients")
     nhwc = gluon.nn.Sequential()
-    nhwc.add(gluon.nn.Conv2D(4, 3, layout="NHWC", in_channels=3))
-    with pytest.raises(UnsupportedError, match="layout 'NHWC'.*NCW, NCHW, NCDHW"):
-        pa.MixedPrecision("mxfp8:keep=", framework="mxnet").watch(nhwc)
+    nhwc.add(gluon.nn.Conv2D(4, 3, layout="NHWC", in_channels=3), gluon.nn.Dense(2, in_units=4))
+    nhwc.initialize()
+    mp = pa.MixedPrecision("mxfp8:keep=", framework="mxnet")
+    mp.watch(nhwc)
+    assert mp.recipe_layers.quantized == ["1"]
+    assert mp.recipe_layers.kept == {"0": "unsupported: Conv2D: layout 'NHWC'; the recipe's quantized "
+                                          "convolution takes the channels-first layouts NCW, NCHW, NCDHW"}

@@ -16,14 +16,16 @@ from frameworks import require
 import polyamp as pa
 from polyamp import PolyampError, UnsupportedError, recipes
 from polyamp.numerics import BLOCK_FORMATS, FORMATS, hadamard_tiles
+from polyamp.recipe_layers import RecipeWarning
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     mx = require("mxnet")
 from mxnet import autograd, gluon  # noqa: E402
 from mxnet.contrib import amp  # noqa: E402
+from mxnet_caps import bf16_or_none, needs_bf16  # noqa: E402
 
-MP = pa.MixedPrecision("fp8-tensorwise", framework="mxnet")  # amp.init, before any network exists
+MP = bf16_or_none("fp8-tensorwise")  # amp.init, before any network exists (None: no bf16 here)
 from polyamp.mxnet import quantize as mq  # noqa: E402
 from polyamp.mxnet import recipe as mr  # noqa: E402
 from polyamp.mxnet.keep import dtype_name  # noqa: E402
@@ -36,7 +38,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Please import `csr_matrix`:Depre
 
 def host(t) -> np.ndarray:
     if np.dtype(t.dtype).names == ("bfloat16",):
-        t = mx.nd.amp_cast(t, dtype="float32")
+        t = mx.nd.cast(t, dtype="float32")  # exact (amp_cast makes -0 +0 without AVX-512)
     return t.asnumpy()
 
 
@@ -109,6 +111,17 @@ def test_16_bit_inputs_keep_the_core_s_result_dtype(fmt):
     want = pa.quantize(host(b).astype(ml_dtypes.bfloat16), fmt, rounding="stochastic", seed=5)
     got = mq.quantize(b, fmt, rounding="stochastic", seed=5)
     assert dtype_name(got.dtype) == want.dtype.name and same(got, want.astype(np.float32))
+
+
+def test_bf16_signed_zeros_and_subnormals_keep_their_bits_in_and_out():
+    """Regression: the bf16 input and result went through oneDNN's amp_cast, which on a CPU without
+    AVX-512 turns -0 into +0 and flushes subnormals: quantize(bf16 x, 'bf16') must be x, bit for bit."""
+    bits = np.array([0x8000, 0x0001, 0x8001, 0x007F, 0x3FC0, 0xFF80], np.uint16)  # -0, subnormals, 1.5, -inf
+    x = mx.nd.cast(mx.nd.array(bits.view(ml_dtypes.bfloat16).astype(np.float32)), dtype=BF16)
+    for out in (mq.quantize(x, "bf16"), mq.quantize(x, "bf16", rounding="stochastic", seed=3)):
+        assert dtype_name(out.dtype) == "bfloat16" and out.asnumpy().view(np.uint16).ravel().tolist() == \
+            bits.tolist()
+    assert same(mq.quantize(x, "fp16"), pa.quantize(bits.view(ml_dtypes.bfloat16), "fp16"))  # float32 result
 
 
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
@@ -251,6 +264,7 @@ def test_unquantized_gemms_take_their_operands_as_they_are():
     assert np.array_equal(X.grad.asnumpy(), fc(gy, w.T)) and np.array_equal(W.grad.asnumpy(), fc(gy.T, x.T))
 
 
+@needs_bf16
 def test_bf16_products_round_the_quantized_operands_to_bf16():
     r = recipes.get_recipe("mxfp8", keep=())
     rng = np.random.default_rng(7)
@@ -281,6 +295,7 @@ def quantized_layers(net, x):
     return seen
 
 
+@needs_bf16
 def test_the_first_and_last_dense_are_kept_by_default_and_patterns_keep_more():
     net = mlp()
     x = next(batches(1))[0]
@@ -295,6 +310,31 @@ def test_the_first_and_last_dense_are_kept_by_default_and_patterns_keep_more():
     assert quantized_layers(net, x) == ["0", "2", "3"]
 
 
+@needs_bf16
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_recipe_layers_list_every_dense_quantized_or_kept_with_the_reason(hybrid):
+    """mp.recipe_layers after mp.watch: each Dense by its block path (the names of keep_fp32 and the
+    doctor), quantized or kept and why; a hybridized net (watched after hybridize) is named alike."""
+    net = mlp(hybrid=hybrid)
+    if hybrid:
+        net.hybridize()
+    mp = pa.MixedPrecision("fp8-tensorwise", framework="mxnet")
+    with pytest.raises(PolyampError, match="known after mp.watch"):
+        print(mp.recipe_layers)
+    mp.watch(net)
+    assert mp.recipe_layers.as_dict() == {"recipe": "fp8-tensorwise", "quantized": ["1", "2"],
+                                          "kept": {"0": "keep 'first'", "3": "keep 'last'"}}  # fmt: skip
+    patterns = pa.MixedPrecision(recipes.get_recipe("mxfp8", keep=("first", "2")), framework="mxnet")
+    patterns.watch(net)
+    assert patterns.recipe_layers.quantized == ["1", "3"]
+    assert patterns.recipe_layers.kept == {"0": "keep 'first'", "2": "keep '2'"}
+    kept = pa.MixedPrecision("mxfp8:keep=", framework="mxnet", keep_fp32=("1",))
+    kept.watch(net)
+    assert kept.recipe_layers.quantized == ["0", "2", "3"]
+    assert kept.recipe_layers.kept == {"1": "keep_fp32 '1'"}
+
+
+@needs_bf16
 @pytest.mark.parametrize("flatten, shape", [(False, (2, 5, 16)), (True, (4, 2, 8))])
 def test_dense_on_more_than_two_axes_multiplies_the_2d_view(flatten, shape):
     """flatten=False: along the last axis; flatten=True: the trailing axes as one (Dense's own rules)."""
@@ -315,6 +355,7 @@ def test_dense_on_more_than_two_axes_multiplies_the_2d_view(flatten, shape):
     assert np.isfinite(host(x.grad)).all() and np.abs(host(x.grad)).sum() > 0
 
 
+@needs_bf16
 @pytest.mark.parametrize("name", RECIPE_NAMES)
 def test_each_recipe_trains_and_differs_from_bf16(name):
     net, ref = mlp(), mlp()
@@ -328,6 +369,7 @@ def test_each_recipe_trains_and_differs_from_bf16(name):
     assert mp.recipe.name == name and repr(mp).startswith(f"MixedPrecision({name!r}")
 
 
+@needs_bf16
 @pytest.mark.parametrize("name", ["fp8-delayed", "nvfp4"])
 def test_the_recipe_state_resumes_bit_identically_from_a_json_checkpoint(name):
     """Delayed-scaling histories and the stochastic-rounding counter travel in mp.state_dict()."""
@@ -351,6 +393,7 @@ def test_the_recipe_state_resumes_bit_identically_from_a_json_checkpoint(name):
     assert all(np.array_equal(host(a.data()), host(b.data())) for a, b in pairs)
 
 
+@needs_bf16
 @pytest.mark.filterwarnings("ignore:All children of this Sequential layer:UserWarning")  # "blocks"
 @pytest.mark.parametrize("spec", ["fp8-delayed", "nvfp4:hadamard=true:keep=", "mxfp8:keep="])
 def test_a_hybridized_net_trains_bit_identically_to_the_imperative_one(spec):
@@ -374,6 +417,7 @@ def test_a_hybridized_net_trains_bit_identically_to_the_imperative_one(spec):
         assert all(np.array_equal(a, b) for a, b in zip(params, runs[0][1]))
 
 
+@needs_bf16
 def test_a_hybridized_dense_takes_any_rank_deferred_shapes_and_a_new_recipe():
     """Dense(flatten=False) on 3-D input and Dense(flatten=True) on 4-D, with in_units left to deferred
     initialisation, hybridized: the outputs and gradients of the imperative run. mp.watch with another
@@ -407,7 +451,50 @@ def test_a_hybridized_dense_takes_any_rank_deferred_shapes_and_a_new_recipe():
     assert np.array_equal(host(hybrid_net(x)), y2) and not np.array_equal(y2, y1)
 
 
+class Gates(gluon.HybridBlock):
+    """A block with a Dense inside a child and an LSTM cell: matmuls the recipe does not reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = gluon.nn.Dense(8, in_units=16)
+        self.cell = gluon.rnn.LSTMCell(8, input_size=8)
+
+    def hybrid_forward(self, F, x, h, c):
+        return self.cell(self.proj(x), [h, c])[0]
+
+
+@needs_bf16
+def test_recipe_layers_record_unsupported_blocks_and_warn_when_none_is_quantized():
+    """Transposed convolutions, channels-last convolutions, frozen Dense layers, RNN layers and cells are
+    recorded as unsupported (they compute as bf16-mixed); a recipe that quantizes nothing warns."""
+    net = gluon.nn.Sequential()
+    net.add(gluon.nn.Conv2DTranspose(4, 3, in_channels=3),
+            gluon.nn.Conv2D(4, 3, layout="NHWC", in_channels=4), gluon.nn.Dense(4, in_units=16), Gates(),
+            gluon.rnn.LSTM(8, input_size=8),
+            gluon.nn.Dense(4, in_units=8), gluon.nn.Dense(4, in_units=4))  # fmt: skip
+    net.initialize()
+    net[2].weight.grad_req = "null"
+    mp = pa.MixedPrecision("mxfp8", framework="mxnet")
+    mp.watch(net)
+    record = mp.recipe_layers
+    assert record.quantized == ["5"]
+    assert list(record.kept) == ["0", "1", "2", "3.proj", "3.cell", "4", "6"]
+    assert record.kept["0"] == "unsupported: Conv2DTranspose: a transposed convolution"
+    assert record.kept["1"].startswith("unsupported: Conv2D: layout 'NHWC'")
+    assert record.kept["2"].startswith("unsupported: Dense: parameters without gradients")
+    assert record.kept["3.cell"].startswith("unsupported: LSTMCell: ")
+    assert record.kept["4"].startswith("unsupported: LSTM: the fused RNN operator")
+    assert (record.kept["3.proj"], record.kept["6"]) == ("keep 'first'", "keep 'last'")
+    none = r"recipe 'mxfp8' quantizes no layer of this MXNet Gluon model \(mp.watch\).*Dense: keep 'first'"
+    with pytest.warns(RecipeWarning, match=none):
+        pa.MixedPrecision("mxfp8", framework="mxnet").watch(gluon.nn.Dense(4, in_units=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeWarning)
+        pa.MixedPrecision("mxfp8", framework="mxnet").watch(mlp())  # two quantized: no warning
+
+
 # -- bad input ---------------------------------------------------------------------------------------
+@needs_bf16
 def test_recipe_errors():
     unwatched = pa.MixedPrecision("mxfp8", framework="mxnet")
     net = mlp()
@@ -418,10 +505,6 @@ def test_recipe_errors():
         pa.MixedPrecision(recipes.get_recipe("mxfp8", keep=("nope*",)), framework="mxnet").watch(mlp())
     with pytest.raises(PolyampError, match="mp.watch no longer quantizes.*hybridize the net again"):
         mr.graph._layer("no such key")
-    frozen = mlp()
-    frozen[1].weight.grad_req = "null"
-    with pytest.raises(UnsupportedError, match="grad_req='null'"):
-        MP.watch(frozen)
     delayed = pa.MixedPrecision("fp8-delayed:keep=", framework="mxnet")
     two = gluon.nn.Sequential()
     two.add(gluon.nn.Dense(4, in_units=3))

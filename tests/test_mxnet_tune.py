@@ -13,6 +13,8 @@ from frameworks import require
 
 mx = require("mxnet")
 
+from mxnet_caps import needs_bf16  # noqa: E402
+
 from polyamp import PolyampError  # noqa: E402
 from polyamp.compare import mxnet as compare_mxnet  # noqa: E402
 from polyamp.mxnet import tune as mt  # noqa: E402
@@ -32,6 +34,7 @@ def _losses(tunable, policy, steps=4, **settings):
         step.close()
 
 
+@needs_bf16
 def test_each_policy_trains_in_its_own_process_as_compares_trainer_does():
     tunable = mt.Tunable(MAKER, KWARGS, name="mlp")
     try:
@@ -56,6 +59,19 @@ def test_each_policy_trains_in_its_own_process_as_compares_trainer_does():
     assert bf16 == pytest.approx(want, rel=0.05) and bf16 != pytest.approx(want, rel=1e-6)
 
 
+def test_a_policy_mxnet_refuses_here_reaches_the_search_with_its_reason():
+    """Regression: the worker died at start (its MixedPrecision raised) and the search saw only 'the
+    worker died'; fp16-mixed needs cuDNN, so a CPU refuses it on every machine."""
+    tunable = mt.Tunable(MAKER, KWARGS, name="mlp")
+    try:
+        for _ in range(2):  # the same worker answers again
+            with pytest.raises(RuntimeError, match=r"^UnsupportedError: MXNet cannot run fp16-mixed on CPU"):
+                tunable.build(Candidate.of("fp16-mixed", {"hybridize": "off"}))
+    finally:
+        tunable.close()
+
+
+@needs_bf16
 def test_a_search_reports_every_trial_and_tunes_both_policies():
     report = mt.tune(MAKER, KWARGS, policies=("bf16-mixed",), budget_s=12.0, name="mlp")
     assert report.framework == "mxnet" and set(report.tuned) == {"float32", "bf16-mixed"}
@@ -72,6 +88,7 @@ def test_a_search_reports_every_trial_and_tunes_both_policies():
     assert json.loads(json.dumps(report.to_json()))["framework"] == "mxnet"
 
 
+@needs_bf16  # tunes bf16-mixed, the default policy
 def test_apply_builds_the_best_configuration_in_a_fresh_process(tmp_path):
     script = textwrap.dedent(f"""
         import json, warnings
@@ -94,6 +111,7 @@ def test_apply_builds_the_best_configuration_in_a_fresh_process(tmp_path):
     assert any("OMP_NUM_THREADS" in w for w in out["warned"]) == chose_threads
 
 
+@needs_bf16  # tunes bf16-mixed, the default policy
 def test_the_command_line_tunes_a_users_file(tmp_path):
     model = tmp_path / "model.py"
     model.write_text(textwrap.dedent("""

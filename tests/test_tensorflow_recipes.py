@@ -5,6 +5,7 @@ stochastic-rounding state resumed bit for bit, training in custom loops and ``fi
 
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ import keras  # noqa: E402
 import polyamp as pa  # noqa: E402
 from polyamp import PolyampError, recipes  # noqa: E402
 from polyamp.numerics import hadamard_tiles  # noqa: E402
+from polyamp.recipe_layers import RecipeWarning  # noqa: E402
 from polyamp.tensorflow import recipe as tr  # noqa: E402
+from polyamp.tensorflow.keep import named_layers  # noqa: E402
 
 RECIPES = ["fp8-tensorwise", "fp8-delayed", "mxfp8", "mxfp8:scale_rule=floor", "nvfp4",
            "nvfp4:grad_rounding=nearest", "fp8-tensorwise:margin=2:compute_dtype=fp32"]  # fmt: skip
@@ -201,9 +204,71 @@ def test_the_keep_list_keeps_first_and_last_dense_and_patterns():
     for policy in ("bf16-mixed", "mxfp8", "mxfp8:keep="):
         m = pa.MixedPrecision(policy, framework="tensorflow")
         model = mlp(m, dims=(16, 32, 4))
-        m.watch(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RecipeWarning)  # mxfp8 keeps both (test below)
+            m.watch(model)
         outs.append(model(x).numpy().astype(np.float32))
     assert same(outs[1], outs[0]) and not same(outs[2], outs[0])
+
+
+def attention_model(mp):
+    """Dense, MultiHeadAttention (four EinsumDense), a Conv1D, a transposed one and an EinsumDense whose
+    equation is a product batched over a kernel axis, in one functional model."""
+    keras.utils.set_random_seed(0)
+    with mp.scope():
+        x = keras.Input((8, 16))
+        h = keras.layers.Dense(16, name="embed")(x)
+        h = keras.layers.MultiHeadAttention(2, 8, name="attn")(h, h)
+        h = keras.layers.Conv1D(16, 3, padding="same", name="conv")(h)
+        h = keras.layers.Conv1DTranspose(16, 3, padding="same", name="up")(h)
+        h = keras.layers.EinsumDense("abc,bcd->abd", (8, 16), name="per_position")(h)
+        return keras.Model(x, keras.layers.Dense(4, name="head")(h))
+
+
+def test_recipe_layers_record_every_matmul_layer_by_its_path():
+    mp = pa.MixedPrecision("mxfp8", framework="tensorflow")
+    model = attention_model(mp)
+    with pytest.raises(PolyampError, match="known after mp.watch"):
+        _ = mp.recipe_layers
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeWarning)
+        mp.watch(model)
+    record = mp.recipe_layers
+    assert record.quantized == ["attn/query", "attn/key", "attn/value", "attn/attention_output", "conv"]
+    assert record.kept == {
+        "embed": "keep 'first'",
+        "up": "unsupported: Conv1DTranspose: a transposed convolution",
+        "per_position": "unsupported: EinsumDense: equation 'abc,bcd->abd': an axis in the input, the kernel "
+                        "and the output (a batched product)",
+        "head": "keep 'last'"}  # fmt: skip
+    # every name is the doctor's and keep_fp32's, and each quantized layer runs the recipe's call
+    names = {n for n, _ in named_layers(model)}
+    assert set(record.quantized) | set(record.kept) <= names
+    assert all("call" in vars(layer) for n, layer in named_layers(model) if n in record.quantized)
+    assert all("call" not in vars(layer) for n, layer in named_layers(model) if n in record.kept)
+    assert record.as_dict()["recipe"] == "mxfp8"
+    # a keep pattern names its reason
+    mp2 = pa.MixedPrecision("mxfp8:keep=attn*", framework="tensorflow")
+    mp2.watch(attention_model(mp2))
+    assert mp2.recipe_layers.quantized == ["embed", "conv", "head"]
+    assert mp2.recipe_layers.kept["attn/query"] == "keep 'attn*'"
+    # the attention projections compute the recipe's GEMMs: the output moves off bf16-mixed's
+    x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
+    bf16 = pa.MixedPrecision("bf16-mixed", framework="tensorflow")
+    plain = attention_model(bf16)
+    assert not same(model(x), plain(x))
+    mp3 = pa.MixedPrecision("mxfp8:keep=embed|conv|head", framework="tensorflow")
+    mp3.watch(only_attn := attention_model(mp3))
+    assert not same(only_attn(x), plain(x)) and mp3.recipe_layers.quantized[0] == "attn/query"
+
+
+def test_a_recipe_that_quantizes_no_layer_warns():
+    mp = pa.MixedPrecision("fp8-tensorwise", framework="tensorflow")
+    model = mlp(mp, dims=(16, 32, 4))  # fc0 is the first Dense, fc1 the last
+    with pytest.warns(RecipeWarning, match="quantizes no layer of this Keras model .*fc0: keep 'first'"):
+        mp.watch(model)
+    assert mp.recipe_layers.quantized == [] and mp.recipe_layers.kept == {"fc0": "keep 'first'",
+                                                                          "fc1": "keep 'last'"}  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", ["fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4"])
@@ -332,3 +397,84 @@ def test_hadamard_tiles_equal_the_cores(shape, axis):
     traced = tf.function(lambda v: tf_tiles(v, axis), input_signature=signature)
     for got in (tf_tiles(tf.constant(x), axis), traced(tf.constant(x))):
         assert same(got, hadamard_tiles(x, axis))
+
+
+# -- EinsumDense (MultiHeadAttention's projections) ------------------------------------------------------
+# equation, x shape, kernel shape, K; x -> (free x axes, contracted) perm, kernel -> (contracted, free)
+# perm, and the output's axes as a perm of (free x axes, free kernel axes); None: the identity
+EINSUM_CASES = [
+    ("abc,cde->abde", (2, 16, 64), (64, 4, 24), 64, None, None, None),  # MHA's query / key / value
+    ("abcd,cde->abe", (2, 16, 4, 16), (4, 16, 96), 64, None, None, None),  # MHA's output
+    ("bca,dc->abd", (16, 64, 2), (96, 64), 64, (0, 2, 1), (1, 0), (1, 0, 2)),  # transposes everywhere
+    ("...c,cd->...d", (2, 16, 64), (64, 96), 64, None, None, None),
+]
+EINSUM_IDS = [c[0] for c in EINSUM_CASES]
+
+
+def einsum_case(spec, case):
+    """y, dx, dw of ``einsum_gemm`` of ``linear`` (fp32 products) on fixed operands, and the quantizer."""
+    from polyamp.tensorflow.recipe_einsum import einsum_gemm, gemm_plan
+
+    equation, xs, ws = case[:3]
+    r = recipes.parse_recipe(spec)
+    x, w = wide(xs, 3), wide(ws, 4) / 8
+    q = tr.Quantizer(r)
+    for operand in ("input", "weight", "grad") if r.kind == "delayed" else ():
+        q.add("fc", operand)
+    xt, wt = tf.constant(x), tf.Variable(w)
+    with tf.GradientTape() as tape:
+        tape.watch(xt)
+        y = einsum_gemm(gemm_plan(equation, len(xs)), tr.linear(q, "fc", tf.float32), xt, wt)
+    g = wide(tuple(y.shape), 5)
+    dx, dw = tape.gradient(y, [xt, wt], output_gradients=tf.constant(g))
+    return r, (x, w, g), (y.numpy(), dx.numpy(), dw.numpy()), q
+
+
+@pytest.mark.parametrize("case", EINSUM_CASES, ids=EINSUM_IDS)
+def test_einsum_dense_plan_computes_keras_einsum(case):
+    """With no GEMM quantized, the flattened GEMM is Keras's einsum and its gradients."""
+    spec = "fp8-tensorwise:quantize_forward=false:quantize_input_grad=false:quantize_weight_grad=false"
+    _, (x, w, g), (y, dx, dw), _ = einsum_case(spec, case)
+    xt, wt = tf.constant(x), tf.constant(w)
+    with tf.GradientTape() as tape:
+        tape.watch([xt, wt])
+        want = keras.ops.einsum(case[0], xt, wt)
+    assert y.shape == tuple(want.shape)
+    for got, ref in zip((y, dx, dw), [want, *tape.gradient(want, [xt, wt], output_gradients=tf.constant(g))]):
+        ref = np.asarray(ref)
+        assert got.shape == ref.shape and np.allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(("spec", "case"), [
+    ("mxfp8", EINSUM_CASES[0]), ("fp8-tensorwise", EINSUM_CASES[0]), ("nvfp4:hadamard=true", EINSUM_CASES[1]),
+    ("fp8-delayed", EINSUM_CASES[1]), ("mxfp8", EINSUM_CASES[2]), ("nvfp4", EINSUM_CASES[2]),
+    ("fp8-tensorwise", EINSUM_CASES[3])], ids=lambda v: v if isinstance(v, str) else v[0])  # fmt: skip
+def test_einsum_dense_gemms_are_the_quantized_gemms_of_the_core(spec, case):
+    """EinsumDense's y, dx, dW are Dense's three quantized GEMMs on x2d (x's free axes by its contracted
+    ones) and W2d (the contracted axes by the kernel's free ones), bit for bit, the core quantizing."""
+    r, (x, w, g), (y, dx, dw), q = einsum_case(spec, case)
+    _, _, _, k, x_perm, w_perm, out_perm = case
+    x_t = x if x_perm is None else x.transpose(x_perm)
+    w_t = w if w_perm is None else w.transpose(w_perm)
+    x2, w2 = x_t.reshape(-1, k), w_t.reshape(k, -1)
+    m, n = x2.shape[0], w2.shape[1]
+    y2 = (y if out_perm is None else y.transpose(np.argsort(out_perm))).reshape(m, n)
+    g2 = (g if out_perm is None else g.transpose(np.argsort(out_perm))).reshape(m, n)
+    block, sr = r.kind == "block", r.grad_rounding == "stochastic"
+    scale = 1.0 if r.kind == "delayed" else None
+
+    def mm(a, b):
+        return tf.linalg.matmul(*(tf.constant(np.asarray(t, np.float32)) for t in (a, b)))
+
+    xq, wq = core(x2, r, "input", -1, scale=scale), core(w2, r, "weight", 0, scale=scale)
+    assert same(y2, mm(xq, wq))
+    g_dgrad = core(g2, r, "grad", -1, seed=1 if sr else None, scale=scale)
+    w_dgrad = core(w2, r, "weight", 1) if block and not r.weight_2d else wq
+    dx_t = mm(g_dgrad, w_dgrad.T).numpy().reshape(x_t.shape)
+    assert same(dx, dx_t if x_perm is None else dx_t.transpose(np.argsort(x_perm)))
+    x_w, g_w = (hadamard_tiles(x2, 0), hadamard_tiles(g2, 0)) if r.hadamard else (x2, g2)
+    x_wgrad = core(x_w, r, "input", 0) if block else xq
+    g_wgrad = core(g_w, r, "grad", 0, seed=2 if sr else None) if block else g_dgrad
+    dw_t = mm(x_wgrad.T, g_wgrad).numpy().reshape(w_t.shape)
+    assert same(dw, dw_t if w_perm is None else dw_t.transpose(np.argsort(w_perm)))
+    assert int(q.calls.numpy()) == (2 if sr else 0)

@@ -237,3 +237,77 @@ def test_objects_of_another_framework_are_refused():
         mp.backward(jnp.ones(()))
     with pytest.raises(PolyampError, match="must be a tensor/model/optimizer"):
         mp.watch(object())
+
+
+# -- pickling --------------------------------------------------------------------------------------
+def train_steps(model, mp, opt, data):
+    """Losses and scales of one step per batch (a fresh model's exact trajectory)."""
+    out = []
+    for x, y in data:
+        opt.zero_grad()
+        with mp.autocast():
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        mp.backward(loss)
+        out.append((loss.item(), mp.step(opt).scale))
+    return out
+
+
+def test_a_mixed_precision_pickles_after_a_step_and_trains_on_identically():
+    import copy
+    import pickle
+
+    model = tiny_model()
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu", loss_scale=2.0**15)
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    data = list(batches(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # fp16 on the CPU is slow
+        train_steps(model, mp, opt, data[:2])
+        twin_model, twin_opt, twin = pickle.loads(pickle.dumps((model, opt, mp)))  # the issue's repro
+        assert copy.deepcopy(mp).state == mp.state and twin.state == mp.state
+        assert train_steps(twin_model, twin, twin_opt, data[2:]) == train_steps(model, mp, opt, data[2:])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+    with pytest.raises(PolyampError, match="already called since the last backward"):
+        twin.step(twin_opt)  # the step guard is rebuilt by the first step after unpickling
+
+
+def test_a_mixed_precision_is_not_pickled_between_unscale_and_step():
+    import pickle
+
+    model = tiny_model()
+    mp = pa.MixedPrecision("bf16-mixed", framework="torch", device="cpu")
+    opt = torch.optim.SGD(model.parameters(), 0.05)
+    x, y = next(batches(1))
+    mp.backward(nn.functional.mse_loss(model(x), y))
+    mp.unscale_(opt)
+    with pytest.raises(PolyampError, match="between mp.unscale_.*and mp.step.*pickle it before unscale_"):
+        pickle.dumps(mp)
+    mp.step(opt)
+    assert pickle.loads(pickle.dumps(mp)).state == mp.state
+
+
+def test_a_recipe_pickles_with_its_histories_and_is_watched_again_after_unpickling():
+    import pickle
+
+    from polyamp.recipes import get_recipe
+
+    model = tiny_model()
+    mp = pa.MixedPrecision(get_recipe("fp8-delayed", keep=()), framework="torch", device="cpu")
+    mp.watch(model)
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    data = list(batches(5))
+    train_steps(model, mp, opt, data[:2])
+    twin_model, twin_opt, twin = pickle.loads(pickle.dumps((model, opt, mp)))  # a watched model pickles too
+    assert twin.state_dict() == mp.state_dict() and twin.recipe_layers == mp.recipe_layers
+    with pytest.raises(PolyampError, match="call mp.watch.*after unpickling"):
+        twin.autocast()  # the watch binds modules of this process: it does not travel
+    twin.watch(twin_model)
+    assert train_steps(twin_model, twin, twin_opt, data[2:]) == train_steps(model, mp, opt, data[2:])
+    assert twin.state_dict() == mp.state_dict() and mp.state_dict()["recipe"]["state"]["calls"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+
+
+def test_scale_on_torch_points_at_the_torch_idiom():
+    mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu")
+    with pytest.raises(pa.PolyampError, match=r"In torch: mp.backward\(loss\) .* mp.current_scale reads"):
+        mp.scale(torch.tensor(1.0))

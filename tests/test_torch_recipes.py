@@ -5,6 +5,7 @@ checkpoints, training, and the errors."""
 import copy
 import json
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 import polyamp as pa
 from polyamp import PolyampError, recipes
 from polyamp.numerics import hadamard as core_hadamard
+from polyamp.recipe_layers import RecipeWarning
 from polyamp.torch import recipe as tr
 from polyamp.torch.hadamard import hadamard_tiles
 
@@ -317,8 +319,12 @@ def test_functional_linears_inside_a_module_are_quantized_under_its_name():
 
     model = nn.Sequential(nn.Linear(8, 32), Projection(), nn.Linear(32, 2))
     mp = pa.MixedPrecision("fp8-tensorwise", framework="torch", device="cpu")
-    mp.watch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its F.linear is found when it runs: no warning at watch
+        mp.watch(model)
+    assert mp.recipe_layers.quantized == [] and list(mp.recipe_layers.kept) == ["0", "2"]
     assert layer_inputs(model, mp, torch.randn(4, 8)) == ["1"]
+    assert mp.recipe_layers.quantized == ["1"]
 
 
 @pytest.mark.parametrize("name", RECIPE_NAMES)
@@ -373,3 +379,52 @@ def test_recipe_errors():
     saved = pa.MixedPrecision("fp8-delayed", framework="torch", device="cpu").state_dict()
     with pytest.raises(PolyampError, match="recipe 'fp8-delayed'"):
         pa.MixedPrecision("bf16-mixed", framework="torch", device="cpu").load_state_dict(saved)
+
+
+# -- transformers' Conv1D, the record of what a recipe quantizes --------------------------------------
+def conv1d_twins():
+    """An MLP with transformers' Conv1D (weight (in, out), ``torch.addmm``) in the middle, and the same
+    network with an nn.Linear holding that weight transposed."""
+    from frameworks import require
+
+    conv1d = require("transformers").pytorch_utils.Conv1D
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(16, 48), nn.GELU(), conv1d(40, 48), nn.GELU(), nn.Linear(40, 4))
+    b = nn.Sequential(nn.Linear(16, 48), nn.GELU(), nn.Linear(48, 40), nn.GELU(), nn.Linear(40, 4))
+    b.load_state_dict({k: v.t() if k == "2.weight" else v for k, v in a.state_dict().items()})
+    return a, b
+
+
+@pytest.mark.parametrize("name", RECIPE_NAMES)
+def test_transformers_conv1d_trains_as_the_linear_of_its_transposed_weight(name):
+    a, b = conv1d_twins()
+    runs = []
+    for model in (a, b):
+        mp = pa.MixedPrecision(recipes.get_recipe(name, keep=()), framework="torch", device="cpu")
+        mp.watch(model)
+        assert mp.recipe_layers.quantized == ["0", "2", "4"] and not mp.recipe_layers.kept
+        runs.append((train(model, mp, 3)[0], mp.state_dict()["recipe"]))
+    assert runs[0] == runs[1] and runs[0][1]["state"]["calls"] > 0
+    assert torch.equal(a[2].weight, b[2].weight.t()) and torch.equal(a[2].bias, b[2].bias)
+    assert not torch.equal(a[2].weight, conv1d_twins()[0][2].weight)  # it trained
+
+
+def test_the_record_names_each_matmul_module_with_why_it_is_kept():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ConvTranspose2d(8, 8, 2), nn.Flatten(), nn.LazyLinear(16),
+                          nn.Linear(16, 16), nn.Linear(16, 4))  # fmt: skip
+    model.add_module("attn", nn.MultiheadAttention(16, 2))
+    mp = pa.MixedPrecision("mxfp8:keep=first|last|4", framework="torch", device="cpu")
+    mp.watch(model)
+    record = mp.recipe_layers
+    assert record.quantized == ["3"] and list(record.kept) == ["0", "1", "4", "5", "attn", "attn.out_proj"]
+    assert record.kept["0"].startswith("keep 'first': the first matmul module in named_modules order")
+    assert record.kept["5"].startswith("keep 'last'") and record.kept["4"] == "keep '4'"
+    assert record.kept["1"].startswith("unsupported: ConvTranspose2d: transposed convolutions")
+    assert record.kept["attn"].startswith("unsupported: MultiheadAttention: its in- and out-projections")
+    assert "inside MultiheadAttention 'attn'" in record.kept["attn.out_proj"]
+    assert record.as_dict()["quantized"] == ["3"] and "quantized  3" in str(record)
+
+
+def test_a_recipe_that_quantizes_no_layer_warns_at_watch():
+    with pytest.warns(RecipeWarning, match="quantizes no layer of this torch model"):
+        pa.MixedPrecision("nvfp4", framework="torch", device="cpu").watch(nn.Sequential(nn.Linear(4, 4)))

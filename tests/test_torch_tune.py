@@ -9,13 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from frameworks import require
 from torch import nn
 
 import polyamp as pa
 from polyamp import PolyampError
 from polyamp.cli import main
 from polyamp.torch import tune as tt
-from polyamp.tune import Candidate
+from polyamp.tune import Candidate, TuneReport
 from polyamp.tune.report import STATUSES
 from polyamp.tune.search import tune as search
 
@@ -166,6 +167,77 @@ def test_the_math_kernel_runs_inside_a_compiled_model():
         ops[kernel] = {e.key for e in prof.key_averages()}
     assert any("flash_attention" in op for op in ops["default"])
     assert not any("flash_attention" in op for op in ops["math"])
+
+
+def tiny_gpt2():
+    transformers = require("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)  # no dropout: the implementations' losses compare
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_a_hugging_face_model_gets_the_attention_knob_the_transformers_way():
+    """Regression: GPT-2 reaches SDPA through ``config._attn_implementation`` (transformers'
+    ``ALL_ATTENTION_FUNCTIONS``), which the source test missed: no attention knob."""
+    model, batch = tiny_gpt2()
+    assert model.config._attn_implementation == "sdpa" and not tt._uses_attention(model)
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    knob = tt.knobs(model, opt)["attention"]
+    assert knob.values == ("default", "math", "eager") and "as configured, sdpa" in knob.why
+    t = tt.Tunable(model, batch, None, opt)
+    losses, impls = {}, {}
+    for value in knob.values:
+        step = t.build(Candidate.of("float32", {**tt_defaults(t), "attention": value}))
+        losses[value] = [step.step(i) for i in range(2)]
+        impls[value] = step.model.config._attn_implementation
+        step.close()
+    assert impls == {"default": "sdpa", "math": "sdpa", "eager": "eager"}
+    assert losses["eager"] == pytest.approx(losses["default"], rel=1e-4)
+    assert losses["math"] == pytest.approx(losses["default"], rel=1e-4)
+    assert model.config._attn_implementation == "sdpa"  # the user's model untouched by the search
+    report = SimpleNamespace(framework="torch", policy="float32", settings={"attention": "eager"})
+    tt.apply(report, model, opt)
+    assert model.config._attn_implementation == "eager"  # apply sets it on the model
+
+
+def test_a_saved_report_loads_back_and_applies_as_the_original(tmp_path):
+    """Regression: TuneReport.save had no load, so polyamp tune's JSON could not be applied in a script."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    t = tt.Tunable(model, batches, nn.functional.mse_loss, opt, name="mlp")
+    t.knobs = {k: v for k, v in t.knobs.items() if k in ("optimizer", "threads")}
+    report = search(t, ("bf16-mixed",), budget_s=6, parity_steps=2)
+    report.save(tmp_path / "tune.json")
+    loaded = TuneReport.load(tmp_path / "tune.json")
+    assert loaded == report and (loaded.policy, loaded.settings) == (report.policy, report.settings)
+    threads, applied = torch.get_num_threads(), []
+    try:
+        for r in (report, loaded):
+            m = copy.deepcopy(model)
+            applied.append((*r.apply(m, torch.optim.Adam(m.parameters(), 1e-2)), torch.get_num_threads()))
+    finally:
+        torch.set_num_threads(threads)
+    (mp_a, model_a, opt_a, n_a), (mp_b, model_b, opt_b, n_b) = applied
+    assert mp_a.policy == mp_b.policy and n_a == n_b and type(model_a) is type(model_b)
+    assert opt_a.defaults == opt_b.defaults and opt_a.defaults["lr"] == 1e-2
+
+
+def test_tune_takes_budget_in_seconds_as_the_command_line_does():
+    """Regression: polyamp.tune(..., budget=40) was a TypeError (the keyword was budget_s only)."""
+    model = mlp()
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    report = pa.tune(model, batches, nn.functional.mse_loss, opt, budget=2, parity_steps=2)
+    assert report.budget_s == 2 and report.spent_s < 2 * 1.25  # a first compile is not let run it over
+    (compiled,) = [t for t in report.trials if t.candidate.label.startswith("float32 compile=on")]
+    assert compiled.status == "not tried" and "a budget of about" in compiled.reason
+    assert pa.tune(model, batches, nn.functional.mse_loss, opt, budget_s=1, parity_steps=2).budget_s == 1
+    with pytest.raises(PolyampError, match="budget=2 and budget_s=3: they are the same seconds; give one"):
+        pa.tune(model, batches, nn.functional.mse_loss, opt, budget=2, budget_s=3)
 
 
 def test_tune_dispatches_and_refuses_bad_input():

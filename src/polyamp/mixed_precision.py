@@ -20,6 +20,7 @@ from .errors import PolyampError
 from .frameworks import IDIOMS, canonical_framework, detect, front_end, imported_frameworks
 from .native import from_native, to_native
 from .policy import Policy
+from .recipe_layers import RecipeLayers
 from .recipes import RECIPES, Recipe, parse_recipe, recipe_spec, refusal
 from .scaling import PRESETS, DynamicLossScale, LossScaleState, NoLossScale, StaticLossScale, check_loss_scale
 
@@ -206,6 +207,19 @@ class MixedPrecision:
         """The loss scale the next backward pass multiplies by."""
         return float(self.state.scale)
 
+    @property
+    def recipe_layers(self) -> RecipeLayers:
+        """Which layers the recipe quantizes and which it keeps, and why (``RecipeLayers``): known
+        after ``mp.watch(model)`` (torch, Keras, MXNet) or the first trace of ``mp.autocast(fn)`` (JAX)."""
+        if self.recipe is None:
+            raise PolyampError(f"mp.recipe_layers is a recipe's record; this MixedPrecision runs the "
+                               f"policy {self.policy.name!r}")  # fmt: skip
+        record = self.__dict__.get("_recipe_layers")
+        if record is None:
+            raise PolyampError("mp.recipe_layers is known after mp.watch(model) (torch, Keras, MXNet) or "
+                               "after mp.autocast(fn) first traced fn (JAX)")  # fmt: skip
+        return record
+
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self, native: str | None = None) -> Any:
         """Policy, loss-scale configuration and state, as plain Python values; with ``native``
@@ -249,8 +263,17 @@ class MixedPrecision:
         owner = IDIOMS.get(name)
         if owner is None or name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        instead = {  # this framework's way to do what the other idiom's method does
+            ("torch", "scale"): "mp.backward(loss) multiplies the loss by the scale and backpropagates it, "
+                                "and mp.current_scale reads the scale",
+            ("torch", "scale_loss"): "mp.backward(loss) multiplies the loss by the scale and backpropagates "
+                                     "it, and mp.current_scale reads the scale",
+            ("torch", "apply"): "mp.step(optimizer) unscales, checks and steps",
+            ("torch", "update"): "mp.step(optimizer) unscales, checks, steps and updates the scale",
+        }.get((self.framework, name))  # fmt: skip
+        here = f" In {self.framework}: {instead}." if instead else ""
         raise WrongIdiomError(
-            f"{name}() is the {owner} idiom; this MixedPrecision drives {self.framework}. Use one "
+            f"{name}() is the {owner} idiom; this MixedPrecision drives {self.framework}.{here} Use one "
             f"MixedPrecision per framework: MixedPrecision({self.policy.name!r}, framework={owner!r})"
         )
 

@@ -7,8 +7,10 @@ quantizers, not the graph, are the step's cost, and the imperative form is the o
 memory probes can tell apart). The policy is MXNet's own
 AMP (``contrib.amp``, process-wide: one case per process suits it); ``MixedPrecision`` calls
 ``amp.init`` before the network is built. fp16-mixed on CPU is reported as unsupported: MXNet's
-float16 FullyConnected exists only with cuDNN. What backward keeps is read from the gradient graph
-MXNet builds for the hybridized network (an executor's ``debug_str()``, its only view of it).
+float16 FullyConnected exists only with cuDNN; so are bf16-mixed and the recipes on a CPU without
+AVX-512, where MXNet's oneDNN has no bf16 kernels (``MixedPrecision`` raises the UnsupportedError).
+What backward keeps is read from the gradient graph MXNet builds for the hybridized network (an
+executor's ``debug_str()``, its only view of it).
 """
 
 from __future__ import annotations

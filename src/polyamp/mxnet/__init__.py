@@ -20,7 +20,8 @@ float32, imperatively and hybridized alike (``keep.keep_float32``).
 With a recipe (``MixedPrecision("fp8-tensorwise", framework="mxnet")``, ``"mxfp8:scale_rule=floor"``,
 ...), ``mp.watch(net)`` makes the ``nn.Dense`` and ``nn.Conv1D`` / ``Conv2D`` / ``Conv3D`` layers outside the
 recipe's keep list run the recipe's quantized GEMMs (``recipe.py``, ``recipe_conv.py``; imperative Gluon);
-the rest computes as bf16-mixed.
+the rest computes as bf16-mixed. ``mp.recipe_layers`` lists every matmul block (Dense, Conv, transposed
+convolutions, RNN layers and cells) by its path, quantized or kept and why (``recipe.matmul_blocks``).
 """
 
 from __future__ import annotations
@@ -55,13 +56,15 @@ class MixedPrecision(EagerMixedPrecision):
     def __init__(self, *args: Any, framework: str | None = None, **kwargs: Any):
         super().__init__(*args, framework=framework, **kwargs)
         if framework is not None:  # named: set up contrib.amp now, before the network is built
-            setup_amp(self.policy, self.device)
+            label = None if self.recipe is None else f"recipe {recipe_spec(self.recipe)!r}"
+            setup_amp(self.policy, self.device, label)
             LOSS_OUTPUTS.activate(self)
 
     def _setup(self) -> None:
         super()._setup()
         self._quantizer = None
-        self._recipe_layers: list[Any] | None = None  # mp.watch's RecipeDense handles (None: not watched)
+        self._recipe_handles: list[Any] | None = None  # RecipeDense / RecipeConv (None: unwatched)
+        self._recipe_layers = None  # mp.watch's RecipeLayers (mp.recipe_layers)
         if self.recipe is not None:
             from .recipe import Quantizer
 
@@ -69,18 +72,21 @@ class MixedPrecision(EagerMixedPrecision):
 
     def watch(self, model: Any) -> Any:
         """``polyamp.MixedPrecision.watch``; with a recipe, also its quantized GEMMs in the net's Dense
-        and Conv layers (``recipe.watch``; the keep list is checked before anything is installed)."""
+        and Conv layers (``recipe.watch``; the keep list is checked before anything is installed), and
+        ``mp.recipe_layers``: every matmul block of the net, quantized or kept with its reason (a
+        ``RecipeWarning`` when none is quantized)."""
         if self._quantizer is None:
             return super().watch(model)
         from .recipe import unwind, watch
 
         self._check_mine(model, "model")
         watch(model, self._quantizer, self.recipe.compute_dtype, dry_run=True)
-        for handle in self._recipe_layers or ():
+        for handle in self._recipe_handles or ():
             handle.remove()
         unwind(model)  # a recipe watched before gives way to this one (keep_fp32 wraps the originals)
         model = super().watch(model)
-        self._recipe_layers = watch(model, self._quantizer, self.recipe.compute_dtype)
+        self._recipe_handles, self._recipe_layers = watch(model, self._quantizer, self.recipe.compute_dtype)
+        self._recipe_layers.warn_if_none("MXNet Gluon", "mp.watch")
         return model
 
     def state_dict(self, native: str | None = None) -> Any:
@@ -136,7 +142,7 @@ class MixedPrecision(EagerMixedPrecision):
         """Context manager yielding ``loss * scale`` (a list for a list of losses) to backpropagate."""
         self._check_mine(trainer, "trainer")
         check_trainer(trainer)
-        if self._quantizer is not None and self._recipe_layers is None:
+        if self._quantizer is not None and self._recipe_handles is None:
             raise PolyampError(
                 f"the {self.recipe.name!r} recipe quantizes the Dense and Conv layers of a watched net: call "
                 "mp.watch(net) once before training"

@@ -3,8 +3,9 @@
 MXNet's AMP is process-wide: ``amp.init`` patches the operator functions of ``mx.nd`` and
 ``mx.sym``, so it must run before the network is built (a network hybridized before it keeps
 computing in float32, silently). ``MixedPrecision(policy, framework="mxnet")`` calls it, and
-refuses when Gluon blocks with parameters already exist. bf16 is the CPU path; fp16 needs a GPU
-(MXNet's fp16 FullyConnected exists only in cuDNN).
+refuses when Gluon blocks with parameters already exist. bf16 is the CPU path, on a CPU with AVX-512
+(``capability.py`` probes it once; elsewhere an UnsupportedError); fp16 needs a GPU (MXNet's fp16
+FullyConnected exists only in cuDNN).
 
 The step: ``trainer.allreduce_grads()`` (so every device copy and worker holds the same sums),
 one ``all_finite`` flag per device and one host sync, unscale in place, clip,
@@ -12,8 +13,9 @@ one ``all_finite`` flag per device and one host sync, unscale in place, clip,
 must not update on the kvstore, where no one could check or skip the update.
 
 contrib.amp also makes the loss-output ops (``SoftmaxOutput``, ``LinearRegressionOutput``, ...)
-multiply their gradient by one process-wide scale, read when the op runs; polyamp sets it to the
-scale of the MixedPrecision used last (see ``_LossOutputs``).
+multiply their gradient by one process-wide scale, read when the op runs; polyamp makes it, for each
+call, the scale of the MixedPrecision used last, or contrib.amp's own when a native contrib.amp trainer
+was used last (see ``_LossOutputs``).
 
 float32 under contrib.amp (``keep_fp32``, the doctor) and the layers' names are ``keep.py``'s,
 imported here before any ``amp.init``.
@@ -34,6 +36,7 @@ import numpy as np
 from ..eager import EagerOps
 from ..errors import PolyampError, UnsupportedError
 from ..scaling import NoLossScale, StaticLossScale
+from .capability import bf16_unsupported
 from .keep import dtype_name, keep_float32
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
@@ -89,49 +92,64 @@ _NO_16BIT_PARAMETERS = {
 
 
 class _LossOutputs:
-    """Make contrib.amp's loss-output ops multiply their gradient by polyamp's scale.
+    """Make contrib.amp's loss-output ops multiply their gradient by the scale of the trainer they feed.
 
     These ops (``SoftmaxOutput``, ``LinearRegressionOutput``, ``LogisticRegressionOutput``,
     ``MAERegressionOutput``) ignore the gradient arriving at their output, so scaling the loss
     cannot reach them. ``amp.init`` wraps each ``mx.nd`` one to multiply ``grad_scale`` by
-    ``amp.amp._loss_scaler.loss_scale`` when it runs (2^16 unless changed). polyamp wraps them
-    again: before each call it sets that scaler to the current scale of the MixedPrecision used
-    last (created, given a trainer, or scaling a loss; 1 without loss scaling) and records the
-    scale, so ``mp.scale_loss`` can refuse a forward pass that ran under another scale; ``mp.step``
-    then unscales those gradients once, with the rest. In ``mx.sym`` (hybridized blocks) the op's
-    ``grad_scale`` is fixed in the cached graph and contrib.amp does not scale it: allowed only
-    while the scale is 1 and cannot change.
+    contrib.amp's process-wide scaler (``amp.amp._loss_scaler``, 2^16 until the first trainer given to
+    ``amp.init_trainer``, which owns it, moves it) when it runs. polyamp wraps them again and makes them
+    follow whichever was used last: a ``MixedPrecision`` (created, given a trainer, or scaling a loss:
+    its current scale, 1 without loss scaling, set on that scaler for the call only and put back after
+    it), or contrib.amp (``amp.init_trainer`` or ``amp.scale_loss``, wrapped too: the scaler as
+    contrib.amp leaves it). Each call records the scale and whose it was, so ``mp.scale_loss`` and
+    ``amp.scale_loss`` can refuse a forward pass that ran under the other's scale (then follow the one
+    refusing, so the forward pass can run again); ``mp.step`` unscales those gradients once, with the
+    rest. In ``mx.sym`` (hybridized blocks) the op's ``grad_scale`` is fixed in the cached graph and
+    contrib.amp does not scale it: under a MixedPrecision allowed only while the scale is 1 and cannot
+    change.
     """
 
     def __init__(self):
         self._active = None  # weakref to the MixedPrecision whose scale the ops use
-        self.used: set[float] = set()  # scales the ops ran with since the last scale_loss
+        self._native = False  # the ops follow contrib.amp's own scaler (a native trainer was used last)
+        self.used: set[tuple[float, bool]] = set()  # (scale, native) of the ops since the last check
 
     def install(self, target_dtype: str) -> None:
-        # contrib.amp hands this scaler to the first trainer given to amp.init_trainer, whose
-        # own updates would then move it: that trainer gets a LossScaler of its own instead
-        amp.amp._amp_loss_scale_initialized = True
         dtype = amp.amp.bfloat16 if target_dtype == "bfloat16" else target_dtype
         for name in amp.list_loss_output_functions(dtype):
             for module, wrap in ((mx.nd, self._imperative), (mx.sym, self._symbolic)):
                 op = getattr(module, name, None)
                 if op is not None:
                     setattr(module, name, functools.wraps(op)(wrap(op)))
+        native = amp.amp.init_trainer, amp.amp.scale_loss  # the package re-exports them: wrap both names
+        init_trainer, scale_loss = (functools.wraps(f)(wrap(f)) for f, wrap in
+                                    zip(native, (self._init_trainer, self._scale_loss)))  # fmt: skip
+        for module in (amp, amp.amp):
+            module.init_trainer, module.scale_loss = init_trainer, scale_loss
 
     def activate(self, mp) -> None:
-        self._active = weakref.ref(mp)
+        self._active, self._native = weakref.ref(mp), False
 
     def _mp(self):
-        return self._active() if self._active is not None else None
+        return self._active() if self._active is not None and not self._native else None
 
     def _imperative(self, op):
         def run(*args, **kwargs):
+            if self._native:
+                if autograd.is_recording():
+                    self.used.add((amp.amp._loss_scaler.loss_scale, True))
+                return op(*args, **kwargs)
             mp = self._mp()
             scale = 1.0 if mp is None else mp.current_scale
-            amp.amp._loss_scaler._loss_scale = scale  # what contrib.amp's wrapper multiplies grad_scale by
             if autograd.is_recording():
-                self.used.add(scale)
-            return op(*args, **kwargs)
+                self.used.add((scale, False))
+            scaler = amp.amp._loss_scaler  # what contrib.amp's wrapper multiplies grad_scale by
+            saved, scaler._loss_scale = scaler._loss_scale, scale
+            try:
+                return op(*args, **kwargs)
+            finally:
+                scaler._loss_scale = saved  # contrib.amp's own trainer keeps its scale
 
         return run
 
@@ -149,16 +167,48 @@ class _LossOutputs:
                     "SoftmaxCrossEntropyLoss, L2Loss), or train without loss scaling (loss_scale='none', "
                     "the default of bf16-mixed)"
                 )
-            self.used.add(1.0)
+            if not self._native:
+                self.used.add((1.0, False))
             return op(*args, **kwargs)
 
         return build
 
+    def _init_trainer(self, init_trainer):
+        def run(optimizer_or_trainer):
+            if optimizer_or_trainer in PREPARED:
+                raise PolyampError(
+                    "amp.init_trainer got a trainer that mp.trainer() prepared: polyamp scales its loss "
+                    "and skips its steps, and contrib.amp's loss scaler would do it again; drive it with "
+                    "mp.scale_loss / mp.step only, or pass contrib.amp a trainer polyamp has not seen"
+                )
+            init_trainer(optimizer_or_trainer)
+            self._native = True
+
+        return run
+
+    def _scale_loss(self, scale_loss):
+        def run(loss, optimizer_or_trainer):
+            scaler = getattr(optimizer_or_trainer, "_amp_loss_scaler", None)
+            if scaler is not None:
+                self.check_native(scaler.loss_scale)
+            return scale_loss(loss, optimizer_or_trainer)
+
+        return run
+
     def check(self, mp) -> None:
         """Make ``mp`` the one the ops follow; refuse if they ran with another scale since the last call."""
-        other = sorted(self.used - {mp.current_scale})
+        native = sorted(s for s, by_amp in self.used if by_amp)
+        other = sorted(s for s, by_amp in self.used if not by_amp and s != mp.current_scale)
         self.used.clear()
         self.activate(mp)
+        if native:
+            raise PolyampError(
+                "a loss-output op (SoftmaxOutput, LinearRegressionOutput, ...) in this forward pass "
+                f"multiplied its gradient by contrib.amp's loss scale {native[0]:g}, not this "
+                f"MixedPrecision's {mp.current_scale:g}: MXNet reads one process-wide scale when the op "
+                "runs, and a native contrib.amp trainer (amp.init_trainer / amp.scale_loss) was used "
+                "last. The ops follow this MixedPrecision from now on: run the forward pass again"
+            )
         if other:
             raise PolyampError(
                 "a loss-output op (SoftmaxOutput, LinearRegressionOutput, ...) in this forward pass "
@@ -168,14 +218,40 @@ class _LossOutputs:
                 "process with one MixedPrecision (mp.step([trainer1, trainer2]) steps them together)"
             )
 
+    def check_native(self, scale: float) -> None:
+        """``amp.scale_loss`` of a trainer whose loss scale is ``scale``: make contrib.amp's scaler the
+        one the ops follow; refuse if they ran with a MixedPrecision's scale, or another scale."""
+        ours = sorted(s for s, by_amp in self.used if not by_amp)
+        other = sorted(s for s, by_amp in self.used if by_amp and s != scale)
+        self.used.clear()
+        self._native = True
+        if ours:
+            raise PolyampError(
+                "a loss-output op (SoftmaxOutput, LinearRegressionOutput, ...) in this forward pass "
+                f"multiplied its gradient by {ours[0]:g}, the scale of the polyamp MixedPrecision used "
+                f"last, not this contrib.amp trainer's loss scale {scale:g}: MXNet reads one process-wide "
+                "scale when the op runs. The ops follow contrib.amp's loss scaler from now on: run the "
+                "forward pass again (or drive this trainer with the MixedPrecision: mp.trainer(...))"
+            )
+        if other:
+            raise PolyampError(
+                "a loss-output op (SoftmaxOutput, LinearRegressionOutput, ...) in this forward pass "
+                f"multiplied its gradient by {other[0]:g}, contrib.amp's process-wide loss scale, but this "
+                f"trainer's loss scaler is at {scale:g}: contrib.amp gives the scaler the ops read to the "
+                "first trainer passed to amp.init_trainer only; compute the loss with gluon.loss (e.g. "
+                "L2Loss, SoftmaxCrossEntropyLoss) for the other trainers"
+            )
+
 
 LOSS_OUTPUTS = _LossOutputs()
 
 
-def setup_amp(policy, device: str | None) -> None:
+def setup_amp(policy, device: str | None, label: str | None = None) -> None:
     """Initialise contrib.amp for the policy's compute dtype, once per process, before any network.
 
-    float32 needs no AMP (and cannot have it once it is on); bf16 runs on CPU; fp16 needs a GPU.
+    float32 needs no AMP (and cannot have it once it is on); bf16 runs on a CPU whose oneDNN has bf16
+    kernels (``capability.py``'s probe; an UnsupportedError naming ``label``, the policy or recipe,
+    elsewhere); fp16 needs a GPU.
     """
     global _amp_dtype
     compute = policy.compute_dtype
@@ -199,11 +275,16 @@ def setup_amp(policy, device: str | None) -> None:
             )
         return
     if compute == "float16" and (device == "cpu" or mx.context.num_gpus() == 0):
+        cpu_path = "'float32' (this CPU computes no bfloat16 either)" if bf16_unsupported() else (
+            "'bf16-mixed', MXNet's CPU mixed-precision path")
         raise UnsupportedError(
             "MXNet cannot run fp16-mixed on CPU: its float16 FullyConnected exists only in the cuDNN "
             "(GPU) build ('float16 fully connected layer is currently only supported by CuDNN'); "
-            "use 'bf16-mixed', MXNet's CPU mixed-precision path, or a GPU build of MXNet"
+            f"use {cpu_path}, or a GPU build of MXNet"
         )
+    if compute == "bfloat16" and _amp_dtype is None and bf16_unsupported():
+        raise UnsupportedError(f"{label or f'policy {policy.name!r}'} computes in bfloat16, and "
+                               f"{bf16_unsupported()}")
     if _amp_dtype == compute:
         return
     if _amp_dtype is not None:

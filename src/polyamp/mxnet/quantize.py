@@ -297,16 +297,20 @@ def _input(x, what: str):
 
 
 def _as_np(x):
-    """An NDArray as an ``mx.np`` array (shared memory); bfloat16 widened to float32 (mx.np has no bf16)."""
+    """An NDArray as an ``mx.np`` array (shared memory); bfloat16 widened to float32 (mx.np has no bf16)
+    by ``Cast``, exact (oneDNN's ``amp_cast`` turns -0 into +0 on CPUs without AVX-512)."""
     if dtype_name(x.dtype) == "bfloat16":
-        x = mx.nd.amp_cast(x.as_nd_ndarray(), dtype="float32")
+        x = mx.nd.cast(x.as_nd_ndarray(), dtype="float32")
     return x if isinstance(x, mx.np.ndarray) else x.as_np_ndarray()
 
 
 def _output(v, name: str, like):
-    """``v`` in dtype ``name`` as the kind of array ``like`` is (an NDArray, or an ``mx.np`` array)."""
+    """``v`` in dtype ``name`` as the kind of array ``like`` is (an NDArray, or an ``mx.np`` array).
+
+    A bfloat16 result holds bf16 values already, which ``Cast`` (it truncates) keeps bit for bit;
+    oneDNN's ``amp_cast`` (it rounds) flushes subnormals and turns -0 into +0 on CPUs without AVX-512."""
     if name == "bfloat16":
-        out = mx.nd.amp_cast(v.astype("float32").as_nd_ndarray(), dtype=amp.amp.bfloat16)
+        out = mx.nd.cast(v.astype("float32").as_nd_ndarray(), dtype=amp.amp.bfloat16)
     else:
         out = v.astype(name).as_nd_ndarray()
     return out.as_np_ndarray() if isinstance(like, mx.np.ndarray) else out

@@ -27,9 +27,10 @@ traced into one emits ``recipe_graph.py``'s custom operator, which calls the sam
 (``mp.watch`` clears the cached graphs, so they are traced again). MXNet 1.9's ``autograd.Function``
 shapes the rest: its backward stops writing gradients at the first input that takes none, so the
 inputs are ``(weight, bias, x)`` (the net's data, which takes none, last) and a Dense with a frozen
-parameter is refused; ``x`` enters as float32 (under contrib.amp a bfloat16 input's gradient buffer is
-filled wrongly), and the backward transposes float32 copies (transposing a bfloat16 NDArray corrupts
-the heap). With ``fp8-delayed`` the net runs on one context (one history per layer, not per device).
+parameter is left unquantized (``unsupported`` in ``mp.recipe_layers``); ``x`` enters as float32
+(under contrib.amp a bfloat16 input's gradient buffer is filled wrongly), and the backward transposes
+float32 copies (transposing a bfloat16 NDArray corrupts the heap). With ``fp8-delayed`` the net runs on
+one context (one history per layer, not per device).
 
 Quantization is ``polyamp.mxnet.quantize``, bit-identical to the numpy core: tensorwise with the
 scale ``current_scale(amax)``; delayed with the scale of the layer's ``DelayedScaling`` for that
@@ -48,6 +49,8 @@ import numpy as np
 
 from ..errors import PolyampError, UnsupportedError
 from ..quantizer_state import QuantizerState
+from ..recipe_layers import RecipeLayers
+from ..recipes import recipe_spec
 from . import recipe_graph as graph
 from .hadamard import hadamard_tiles
 from .keep import _ORIGINAL_OPS, blocks, dtype_name
@@ -257,53 +260,93 @@ def _check_one_context(model) -> None:
         raise UnsupportedError(_SEVERAL_CONTEXTS.format(", ".join(sorted(contexts))))
 
 
-def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> list:
-    """Quantize the ``nn.Dense`` and ``nn.Conv1D`` / ``Conv2D`` / ``Conv3D`` blocks of ``model`` that the
-    recipe's keep list leaves in: ``first`` / ``last`` are the first and last of them (Dense and Conv
-    counted together) in depth-first order of child names, other entries ``fnmatch`` patterns over the
-    block paths (``0``, ``body.1.dense``; a kept block keeps the blocks below it). Blocks kept in float32
-    by ``keep_fp32`` are left as they are. ``dry_run``: only check. Returns the RecipeDense / RecipeConv
-    handles."""
-    from .recipe_conv import RecipeConv, check_conv, is_conv  # it imports this module
+def _unsupported_blocks() -> tuple:
+    """(block types, why) of the Gluon matmul blocks a recipe leaves to contrib.amp."""
+    nn, rnn = gluon.nn, gluon.rnn
+    out = [((nn.Conv1DTranspose, nn.Conv2DTranspose, nn.Conv3DTranspose), "a transposed convolution"),
+           ((rnn.RNN, rnn.LSTM, rnn.GRU), "the fused RNN operator computes its matmuls inside"),
+           ((rnn.RNNCell, rnn.LSTMCell, rnn.GRUCell), "the cell calls FullyConnected itself, not a Dense")]
+    cnn = getattr(getattr(gluon, "contrib", None), "cnn", None)
+    deformable = tuple(getattr(cnn, n) for n in ("DeformableConvolution", "ModulatedDeformableConvolution")
+                       if hasattr(cnn, n))  # fmt: skip
+    return tuple(out) + (((deformable, "a deformable convolution"),) if deformable else ())
+
+
+def unsupported(block) -> str | None:
+    """Why a recipe cannot quantize this matmul block ("unsupported: <type>: <why>"); None when it can, or
+    when the block is no matmul block."""
+    from .recipe_conv import conv_unsupported, is_conv  # it imports this module
+
+    kind = type(block).__name__
+    if isinstance(block, gluon.nn.Dense) or is_conv(block):
+        why = conv_unsupported(block) if is_conv(block) else None
+        frozen = [p.name for p in block.collect_params().values() if p.grad_req == "null"]
+        if why is None and frozen:
+            why = (f"parameters without gradients ({', '.join(frozen)}, grad_req='null'): MXNet 1.9's "
+                   "autograd.Function, which runs the recipe's GEMMs, stops writing gradients at the first "
+                   "input that takes none")  # fmt: skip
+        return None if why is None else f"unsupported: {kind}: {why}"
+    for types, why in _unsupported_blocks():
+        if isinstance(block, types):
+            return f"unsupported: {kind}: {why}"
+    return None
+
+
+def matmul_blocks(model) -> list[tuple[str, object, str | None]]:
+    """(path, block, None) of each block a recipe quantizes (``nn.Dense``, channels-first ``Conv1D`` /
+    ``Conv2D`` / ``Conv3D`` with trainable parameters) and (path, block, "unsupported: <type>: <why>") of
+    every other matmul block, depth-first in child-name order; paths as ``keep.blocks`` names them (the
+    model itself by its class name)."""
+    from .recipe_conv import is_conv  # it imports this module
+
+    out = []
+    for path, block in blocks(model):
+        why = unsupported(block)
+        if why is not None or isinstance(block, gluon.nn.Dense) or is_conv(block):
+            out.append((path or type(block).__name__, block, why))
+    return out
+
+
+def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> tuple[list, RecipeLayers]:
+    """Quantize the blocks of ``model`` that ``matmul_blocks`` finds quantizable and the recipe's keep list
+    leaves in: ``first`` / ``last`` are the first and last of them (Dense and Conv counted together), other
+    entries ``fnmatch`` patterns over the block paths (``0``, ``body.1.dense``; a kept block keeps the
+    blocks below it). Blocks kept in float32 by ``keep_fp32`` are left as they are. ``dry_run``: only
+    check. Returns the RecipeDense / RecipeConv handles and the record of every matmul block (quantized,
+    or kept with its reason) for ``mp.recipe_layers``."""
+    from .recipe_conv import RecipeConv, is_conv  # it imports this module
 
     if not isinstance(model, gluon.Block):
         raise PolyampError(
             f"expected a mxnet.gluon.Block, got {type(model).__module__}.{type(model).__name__}"
         )
     paths = [(p or type(b).__name__, b) for p, b in blocks(model)]
-    layers = [(p, b) for p, b in paths if isinstance(b, gluon.nn.Dense) or is_conv(b)]
+    found = matmul_blocks(model)
+    layers = [(p, b) for p, b, why in found if why is None]
     if quantizer.recipe.kind == "delayed":
         _check_one_context(model)
-    kept: set[str] = set()
+    reasons: dict[str, str] = {}  # a kept block -> the first keep entry that keeps it
     for entry in quantizer.recipe.keep:
         if entry in ("first", "last"):
             if layers:
-                kept.add(layers[0][0] if entry == "first" else layers[-1][0])
+                reasons.setdefault(layers[0 if entry == "first" else -1][0], f"keep {entry!r}")
             continue
-        found = [p for p, _ in paths if fnmatch.fnmatchcase(p, entry)]
-        if not found:
+        hits = [p for p, _ in paths if fnmatch.fnmatchcase(p, entry)]
+        if not hits:
             raise PolyampError(f"the recipe's keep entry {entry!r} matches no block of the net; its blocks: "
                                f"{', '.join(p for p, _ in paths[:20])}")  # fmt: skip
-        kept.update(found)
-    if dry_run:  # only the checks
-        return []
-    clear_graphs(model)
-    quantizer.context = None
+        for path, _ in layers:
+            if any(path == k or path.startswith(k + ".") for k in hits):
+                reasons.setdefault(path, f"keep {entry!r}")
+    record = RecipeLayers(recipe_spec(quantizer.recipe))
     handles = []
-    for path, block in layers:
-        if any(path == k or path.startswith(k + ".") for k in kept):
-            continue
-        if getattr(vars(block).get("hybrid_forward"), "keeps", None) is not None:
-            continue  # keep_fp32: float32
-        if is_conv(block):
-            check_conv(path, block)
-        frozen = [p.name for p in block.collect_params().values() if p.grad_req == "null"]
-        if frozen:
-            raise UnsupportedError(
-                f"{type(block).__name__} {path!r} has parameters without gradients ({', '.join(frozen)}, "
-                "grad_req='null'): "
-                "MXNet 1.9's autograd.Function, which runs the recipe's GEMMs, stops writing gradients at "
-                "the first input that takes none. Keep it out of the recipe (a keep pattern) or train it"
-            )
-        handles.append((RecipeConv if is_conv(block) else RecipeDense)(path, block, quantizer, compute))
-    return handles
+    if not dry_run:
+        clear_graphs(model)
+        quantizer.context = None
+    for path, block, why in found:
+        kept_fp32 = getattr(vars(block).get("hybrid_forward"), "keeps", None)
+        why = why or reasons.get(path) or (None if kept_fp32 is None else f"keep_fp32 {kept_fp32!r}")
+        record.add(path, why)
+        if why is None and not dry_run:
+            handles.append((RecipeConv if is_conv(block) else RecipeDense)(path, block, quantizer, compute))
+    return handles, record

@@ -21,9 +21,9 @@ The products are MXNet's own ``Convolution`` (not contrib.amp's) on operands cas
 (bfloat16 through oneDNN, which returns bf16, or float32); the two gradients are that operator's own
 backward, run by a nested ``autograd.record()`` inside the Function's backward on float32 leaves cast to
 the compute dtype within the record (MXNet 1.9 under contrib.amp refuses the backward of a bfloat16 leaf).
-The Function's inputs are ``(weight, bias, x)`` with ``x`` in float32 and frozen parameters are refused,
-for ``QuantizedDense``'s reasons (``recipe.py``); in a hybridized graph the block emits ``recipe_graph.py``'s
-custom operator, which calls the same ``QuantizedConv``.
+The Function's inputs are ``(weight, bias, x)`` with ``x`` in float32 and a block with frozen parameters
+is left unquantized, for ``QuantizedDense``'s reasons (``recipe.py``); in a hybridized graph the block
+emits ``recipe_graph.py``'s custom operator, which calls the same ``QuantizedConv``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import warnings
 
-from ..errors import UnsupportedError
 from . import recipe_graph as graph
 from .hadamard import hadamard_tiles
 from .keep import _ORIGINAL_OPS, dtype_name
@@ -53,15 +52,13 @@ def is_conv(block) -> bool:
     return isinstance(block, CONV_BLOCKS)
 
 
-def check_conv(path: str, block) -> None:
-    """Refuse a convolution whose layout is not channels-first."""
+def conv_unsupported(block) -> str | None:
+    """Why the recipe cannot quantize this convolution (a layout that is not channels-first), or None."""
     layout = block._kwargs.get("layout")
     if layout not in LAYOUTS:
-        raise UnsupportedError(
-            f"{type(block).__name__} {path!r} has layout {layout!r}; the recipe's quantized convolution "
-            f"takes the channels-first layouts {', '.join(LAYOUTS)}. Keep it out of the recipe (a keep "
-            "pattern) or build it channels-first"
-        )
+        return (f"layout {layout!r}; the recipe's quantized convolution takes the channels-first layouts "
+                f"{', '.join(LAYOUTS)}")  # fmt: skip
+    return None
 
 
 def _conv(x, w, compute: str, kwargs: dict, bias=None):

@@ -207,7 +207,11 @@ def _serve(policy: str) -> None:
 
     from . import MixedPrecision
 
-    MixedPrecision(policy, framework="mxnet", device="cpu")  # amp.init before any network
+    try:
+        MixedPrecision(policy, framework="mxnet", device="cpu")  # amp.init before any network
+        refused = None
+    except PolyampError as err:  # e.g. bf16 on a CPU without AVX-512: each command gets the reason
+        refused = f"{type(err).__name__}: {err}"
     steps: dict[int, Any] = {}
     out = sys.stdout
     sys.stdout = sys.stderr  # what the model prints must not reach the pipe
@@ -215,6 +219,10 @@ def _serve(policy: str) -> None:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
             break
+        if refused is not None:
+            out.write(json.dumps({"error": refused}) + "\n")
+            out.flush()
+            continue
         try:
             if cmd["op"] == "build":
                 net, batch, loss_fn, optimizer = load_maker(cmd["maker"])(**cmd["kwargs"])

@@ -33,9 +33,11 @@
 - ``keep_fp32`` (layer names as ``polyamp.tensorflow.doctor.collect`` gives them): ``mp.watch(model)``
   sets those layers (and the layers below them) to the "float32" Keras dtype policy (``keep.py``);
   under a 16-bit policy, ``mp.apply`` and ``mp.optimizer`` ask for that ``watch`` first.
-- With a recipe (``MixedPrecision("mxfp8")``), ``mp.watch(model)`` makes the model's Dense layers run
-  the recipe's quantized GEMMs (``recipe.py``); ``mp.apply`` and ``mp.optimizer`` ask for it first, and
-  ``state_dict()`` holds the recipe's state (the stochastic-rounding counter, delayed-scaling histories).
+- With a recipe (``MixedPrecision("mxfp8")``), ``mp.watch(model)`` makes the model's Dense, EinsumDense
+  and Conv layers run the recipe's quantized GEMMs (``recipe.py``) and sets ``mp.recipe_layers`` (every
+  matmul layer by its path: quantized, or kept and why; a ``RecipeWarning`` when none is quantized);
+  ``mp.apply`` and ``mp.optimizer`` ask for it first, and ``state_dict()`` holds the recipe's state (the
+  stochastic-rounding counter, delayed-scaling histories).
 """
 
 from __future__ import annotations
@@ -187,6 +189,8 @@ class MixedPrecision(_Base):
                 self._dense.remove()
             dense.install(self._quantizer, _COMPUTE[self.recipe.compute_dtype])
             self._dense = dense
+            self._recipe_layers = dense.record(recipe_spec(self.recipe))
+            self._recipe_layers.warn_if_none("Keras", "mp.watch")
         return model
 
     def state_dict(self, native: str | None = None) -> Any:
@@ -209,7 +213,7 @@ class MixedPrecision(_Base):
     def _check_kept(self) -> None:
         if self._quantizer is not None and self._dense is None:
             raise PolyampError(
-                f"the {self.recipe.name!r} recipe quantizes the Dense layers of a watched model: call "
+                f"the {self.recipe.name!r} recipe quantizes the matmul layers of a watched model: call "
                 "mp.watch(model) once before training (before mp.optimizer(...) for fit)"
             )
         if self.keep_fp32 and self.policy.compute_dtype != "float32" and not self._kept:

@@ -2,7 +2,8 @@
 
 Convention (the Keras idiom): ``model`` is a Keras model or layer, called as ``model(x, training=True)``;
 ``batch`` is what ``fit`` takes: ``(x, y)`` or ``(x, y, sample_weight)`` (a tuple or list; x a tensor, or a
-tuple / list / dict of tensors), or ``x`` alone (a tensor or a dict); TensorFlow tensors only.
+tuple / list / dict of tensors), or ``x`` alone (a tensor or a dict); TensorFlow tensors or numpy arrays
+(``as_tensors``: converted, floating ones not in floatx cast to it, as ``fit`` does).
 ``loss_fn(y_true, y_pred)`` in Keras's order (a ``keras.losses.Loss`` or any callable; given
 ``sample_weight=`` when the batch has one); with ``x`` alone, ``y_true`` is ``x``. With ``loss_fn=None`` the
 model's compiled loss (``model.compute_loss``: the compiled loss, ``add_loss`` and regularisation losses)
@@ -56,7 +57,9 @@ raises). The checks' ``PolyampError``\\ s are the same either way.
 
 Measured formats (``measure``: block formats and recipes, ``doctor/blocks.py``): the step runs eagerly,
 and each output, output gradient, weight and weight gradient is copied to numpy (``.numpy()``) and
-measured by the numpy reference ``blocks.measure``.
+measured by the numpy reference ``blocks.measure``. A recipe measures only what it would quantize
+(``_RecipeTensors``: the matmul layers ``mp.watch`` would quantize, the keep list aside): their kernels,
+their output gradients and the outputs of the leaf layers that feed them.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from ..doctor import blocks as _blocks
@@ -85,16 +89,61 @@ from .snapshot import Snapshot, global_seed_generator
 def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measure=()) -> list[Observation]:
     """Observe ``steps`` float32 training steps of ``model`` on ``batch``; the model, its variables and
     ``optimizer`` are left exactly as they were (module docstring). ``measure``: ``blocks.Target``s."""
+    batch = as_tensors(batch)
     _check(model, batch, loss_fn, steps, optimizer)
     job = _Job(model, batch, loss_fn, optimizer)
-    job.meter = _blocks.Meter(tuple(measure), lambda t: t.numpy(), kernels_in_out=True)
+    recipes = tuple(t for t in measure if t.label.startswith(_blocks.PREFIX))
+    job.meter = _blocks.Meter(tuple(t for t in measure if t not in recipes), _numpy, kernels_in_out=True)
+    if recipes:
+        job.recipe = _RecipeTensors(model, _blocks.Meter(recipes, _numpy, kernels_in_out=True))
     try:
         eager = tf.config.functions_run_eagerly() or bool(measure)
         found = job.run(job.eager if eager else job.traced, steps)
     except _Untraceable:
         found = job.run(job.eager, steps)
-    return [Observation(name, kind, _merged(found[name, kind]), _blocks.merged(job.meter.parts, (name, kind)))
+    return [Observation(name, kind, _merged(found[name, kind]), job.measured(name, kind))
             for name, _, _ in job.layers for kind in KINDS if found.get((name, kind))]  # fmt: skip
+
+
+def _numpy(t):
+    return t.numpy()
+
+
+def as_tensors(batch):
+    """``batch`` with its numpy arrays as TensorFlow tensors, floating ones not in Keras's floatx cast to it,
+    as ``fit`` converts them (tuples, lists and dicts of them: a keras_hub model's ``{"token_ids",
+    "padding_mask"}``); other leaves as they are (``_check`` judges them)."""
+
+    def convert(leaf):
+        if not isinstance(leaf, np.ndarray):
+            return leaf
+        if leaf.dtype.kind == "f" and leaf.dtype != np.dtype(keras.config.floatx()):
+            leaf = leaf.astype(keras.config.floatx())
+        return tf.convert_to_tensor(leaf)
+
+    return tf.nest.map_structure(convert, batch)
+
+
+class _RecipeTensors:
+    """What a recipe would quantize, measured under the recipe targets: of each matmul layer a recipe can
+    quantize (``recipe.matmul_layers``, the keep list aside), its kernel ("weight"), the gradient of its
+    output ("grad_output") and its input, which is the "output" of the leaf layer that returned that
+    tensor (an input computed by ops between layers, such as attention's context, has no row)."""
+
+    def __init__(self, model, meter):
+        from .recipe import matmul_layers
+
+        self.meter = meter
+        self.layers = {name: layer for name, layer, why in matmul_layers(model) if why is None}
+
+    def add(self, name: str, kind: str, t, fed: list, before: dict) -> None:
+        layer = self.layers.get(name)
+        if kind == "grad_output" and layer is not None:
+            self.meter.add(name, kind, t)
+        elif kind == "weight" and layer is not None and t is before.get(id(layer.kernel)):
+            self.meter.add(name, kind, t)
+        elif kind == "output" and any(t is x for x in fed):
+            self.meter.add(name, kind, t)
 
 
 def _merged(hists: list[LogHistogram]) -> LogHistogram:
@@ -123,6 +172,13 @@ class _Job:
         self.trainable = list({id(v): v for v in model.trainable_variables}.values())
         self.sink = _Sink()
         self.meter = _blocks.Meter((), None)  # the measured formats' statistics
+        self.recipe: _RecipeTensors | None = None  # and the recipes', on what they quantize
+
+    def measured(self, name: str, kind: str) -> dict:
+        out = _blocks.merged(self.meter.parts, (name, kind))
+        if self.recipe is not None:
+            out.update(_blocks.merged(self.recipe.meter.parts, (name, kind)))
+        return out
 
     def run(self, steps_of, steps: int) -> dict[tuple[str, str], list[LogHistogram]]:
         """``steps_of(steps, snapshot)`` in float32, everything put back afterwards."""
@@ -195,6 +251,8 @@ class _Job:
                     found[name, kind].append(ratio_histogram(t[0] - t[1], t[1]) if kind == "update_ratio"
                                              else histogram(t))  # fmt: skip
                     self.meter.add(name, kind, t)
+                    if self.recipe is not None:
+                        self.recipe.add(name, kind, t, self.sink.fed, before)
                 before.update(after)
         return found
 
@@ -203,12 +261,14 @@ class _Job:
         """Every leaf layer puts its floating outputs in ``self.sink`` meanwhile."""
         taps = []
         try:
+            fed = self.recipe.layers if self.recipe is not None else {}
             for name, layer, _ in self.layers:
                 if layer is not None:
-                    taps.append((layer, _tap(layer, name, self.sink)))
+                    taps.append((layer, _tap(layer, name, self.sink, name in fed)))
             yield
         finally:
             self.sink.record.clear()
+            self.sink.fed.clear()
             for layer, own in taps:
                 if own is None:
                     del layer.call
@@ -221,6 +281,7 @@ class _Job:
         sink = self.sink
         observed = [(name, "weight", before[id(v)]) for name, _, vs in self.layers for v in vs]
         sink.record.clear()
+        sink.fed.clear()
         grads = self.gradients(*inputs, eager)
         for (name, out), grad in zip(sink.record, grads):
             observed.append((name, "output", out))
@@ -272,6 +333,7 @@ class _Sink:
     def __init__(self):
         self.graph = None
         self.record: list[tuple[str, tf.Tensor]] = []
+        self.fed: list[tf.Tensor] = []  # the inputs of the layers a recipe quantizes (eagerly)
         self.foreign = False
 
     def add(self, name: str, outputs) -> None:
@@ -382,13 +444,15 @@ def _compiled_loss(model) -> bool:
     return model.loss is not None or overridden or bool(model.losses)
 
 
-def _tap(layer, name: str, sink: _Sink):
-    """Give ``layer`` an instance ``call`` that puts its outputs in ``sink``; returns the instance
-    attribute it replaced (None: there was none)."""
+def _tap(layer, name: str, sink: _Sink, fed: bool = False):
+    """Give ``layer`` an instance ``call`` that puts its outputs in ``sink`` (and with ``fed`` its input
+    in ``sink.fed``, eagerly); returns the instance attribute it replaced (None: there was none)."""
     own = vars(layer).get("call")
     original = layer.call
 
     def call(*args, **kwargs):
+        if fed and tf.executing_eagerly():
+            sink.fed.append(args[0] if args else kwargs.get("inputs"))
         outputs = original(*args, **kwargs)
         sink.add(name, outputs)
         return outputs
@@ -450,8 +514,8 @@ def _check(model, batch, loss_fn, steps, optimizer) -> None:
     for leaf in tf.nest.flatten(batch):
         if leaf is not None and (not tf.is_tensor(leaf) or detect(leaf) not in (None, "tensorflow")):
             raise PolyampError(
-                f"batch: expected TensorFlow tensors, got {_type(leaf)}; convert it (tf.convert_to_tensor) "
-                "or pass a batch of the model's framework"
+                f"batch: expected TensorFlow tensors or numpy arrays (as fit takes them), got {_type(leaf)}; "
+                "convert it (tf.convert_to_tensor, np.asarray) or pass a batch of the model's framework"
             )
     if isinstance(batch, (tuple, list)) and not 1 <= len(batch) <= 3:
         raise PolyampError(f"batch: expected x, (x, y) or (x, y, sample_weight) as Keras's fit takes them, "

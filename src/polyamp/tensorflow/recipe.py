@@ -1,15 +1,19 @@
-"""Emulated low-precision training in Keras 3: ``polyamp.recipes`` on the matmuls of Dense and Conv layers.
+"""Emulated low-precision training in Keras 3: ``polyamp.recipes`` on the matmuls of Dense, EinsumDense and
+Conv layers.
 
-``mp.watch(model)`` of a ``MixedPrecision`` made from a recipe gives every ``keras.layers.Dense`` and
-``Conv1D`` / ``Conv2D`` / ``Conv3D`` of the model that the keep list does not keep a ``call`` of its own
-(on that layer object; ``mp.watch`` again restores the others). In a Dense layer ``inputs @ kernel``
-becomes :func:`linear`, the recipe's three quantized GEMMs, as ``polyamp/torch/recipe.py`` describes, in
-a ``tf.custom_gradient``; bias and activation as Dense's:
+``mp.watch(model)`` of a ``MixedPrecision`` made from a recipe gives every ``keras.layers.Dense``,
+``EinsumDense`` (also those inside ``MultiHeadAttention``) and ``Conv1D`` / ``Conv2D`` / ``Conv3D`` of the
+model that the keep list does not keep a ``call`` of its own (on that layer object; ``mp.watch`` again
+restores the others). In a Dense layer ``inputs @ kernel`` becomes :func:`linear`, the recipe's three
+quantized GEMMs, as ``polyamp/torch/recipe.py`` describes, in a ``tf.custom_gradient``; bias and
+activation as Dense's:
 
     forward        y  = Qf(x) @ Qf(W)           blocks along K (x's last axis, W's first)
     input grad     dx = Qb(g) @ Qf'(W)^T        blocks along N (g's last axis, W's last)
     weight grad    dW = Qf'(x)^T @ Qb'(g)       blocks along the rows M of x and g (Hadamard first)
 
+An EinsumDense's einsum is the same :func:`linear` on ``x2d @ W2d`` (``recipe_einsum.py``: contracted
+axes flattened into K, free axes into M and N); an equation that is not a GEMM is left as Keras runs it.
 In a Conv layer the convolution becomes ``recipe_conv.conv``, the same three GEMMs as implicit GEMMs
 (blocks along the channels and the batch; that module's docstring); transposed, depthwise and separable
 convolutions are left as Keras runs them.
@@ -17,8 +21,10 @@ convolutions are left as Keras runs them.
 dtype; products run in the recipe's compute dtype (bf16 or fp32), outputs and ``dx`` in ``x``'s dtype,
 ``dW`` in the kernel's. Per-tensor formats quantize each operand once (one scale, one cast: ``Qf' = Qf``)
 and so does NVFP4's 16x16 weight. A layer's name is ``keep.py``'s ("block/dense_1"); the keep list's
-``first`` / ``last`` are the first and last Dense or Conv layer in that order, other entries ``fnmatch``
-patterns (a matching layer keeps the Dense and Conv layers below it).
+``first`` / ``last`` are the first and last quantizable matmul layer in that order, other entries
+``fnmatch`` patterns (a matching layer keeps the matmul layers below it). ``MatmulLayers.record`` lists
+every matmul layer, quantized or kept with its reason (``keep 'first'``, ``unsupported: ...``), for
+``mp.recipe_layers``.
 
 Quantization is integer TF ops (``quantize.py``), bit-identical to the numpy core in eager mode, in
 ``tf.function`` and under XLA (``tests/test_tensorflow_recipes.py``):
@@ -50,6 +56,7 @@ from ..errors import PolyampError
 from ..numerics import BLOCK_FORMATS, FORMATS, get_format
 from ..numerics import blocks as _blocks
 from ..numerics.rounding import _MODE
+from ..recipe_layers import RecipeLayers
 from ..recipes import DelayedScaling, Recipe
 from .hadamard import hadamard_tiles
 from .keep import named_layers
@@ -57,11 +64,18 @@ from .quantize import _U, _divide, _Grid, _Num, _round, _Stream, blocks_keyed, c
 from .quantize import _decompose as decompose
 from .quantize import _decompose_bits as decompose_bits
 from .recipe_conv import CONV_LAYERS, conv, conv_call, conv_options
+from .recipe_einsum import einsum_call, gemm_plan
 
 _COMPUTE = {"bf16": tf.bfloat16, "fp32": tf.float32}
 _FP32 = _Grid.of(FORMATS["fp32"], False)
 _INF32, _NAN32 = 0x7F800000, 0x7FC00000
-_MATMUL_LAYERS = (keras.layers.Dense, *CONV_LAYERS)
+_MATMUL_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense, *CONV_LAYERS)
+_UNSUPPORTED = (  # matmul layers a recipe leaves as Keras runs them
+    ((keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose, keras.layers.Conv3DTranspose),
+     "a transposed convolution"),
+    ((keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D), "a depthwise convolution"),
+    ((keras.layers.SeparableConv1D, keras.layers.SeparableConv2D), "a separable convolution"),
+)
 
 
 class Quantizer:
@@ -314,35 +328,72 @@ def linear(quantizer: Quantizer, layer: str, compute):
     return apply
 
 
-# -- the model's Dense and Conv layers-----------------------------------------------------------------------
+# -- the model's matmul layers ----------------------------------------------------------------------
+def matmul_layers(model) -> list[tuple[str, keras.layers.Layer, str | None]]:
+    """(name, layer, None) of each layer a recipe can quantize (Dense, EinsumDense whose equation is a
+    GEMM, Conv1D/2D/3D) and (name, layer, "unsupported: <type>: <why>") of every other matmul layer, in
+    ``named_layers`` order."""
+    out = []
+    for name, layer in named_layers(model):
+        why = unsupported(layer)
+        if why is not None or isinstance(layer, _MATMUL_LAYERS):
+            out.append((name, layer, why))
+    return out
+
+
+def unsupported(layer) -> str | None:
+    """Why a matmul layer is not quantized ("unsupported: <type>: <why>"), None when it is quantizable or
+    not a matmul layer."""
+    if isinstance(layer, keras.layers.EinsumDense):
+        plan = gemm_plan(layer.equation)
+        return f"unsupported: EinsumDense: {plan}" if isinstance(plan, str) else None
+    for types, why in _UNSUPPORTED:
+        if isinstance(layer, types):
+            return f"unsupported: {type(layer).__name__}: {why}"
+    return None
+
+
 class MatmulLayers:
-    """The watched model's Dense and Conv layers (in ``named_layers`` order), the keep list resolved to
-    them, and the ``call`` each quantized one gets (``install`` / ``remove``)."""
+    """The watched model's matmul layers (``matmul_layers``), the keep list resolved to them, and the
+    ``call`` each quantized one gets (``install`` / ``remove``); ``record(recipe)`` is what
+    ``mp.recipe_layers`` shows."""
 
     def __init__(self, model, keep: tuple[str, ...]):
         if not isinstance(model, keras.layers.Layer):
             raise PolyampError(f"a recipe applies to a Keras model or layer, got {type(model).__name__}")
         self.strategy = _strategy_of(model)
         layers = named_layers(model)
-        matmuls = [(name, layer) for name, layer in layers if isinstance(layer, _MATMUL_LAYERS)]
-        kept: set[str] = set()
+        found = matmul_layers(model)
+        matmuls = [(name, layer) for name, layer, why in found if why is None]
+        reasons: dict[str, str] = {}  # a kept layer -> the first keep entry that keeps it
         for entry in keep:
             if entry in ("first", "last"):
                 if matmuls:
-                    kept.add(matmuls[0][0] if entry == "first" else matmuls[-1][0])
+                    reasons.setdefault(matmuls[0 if entry == "first" else -1][0], f"keep {entry!r}")
                 continue
-            found = [name for name, _ in layers if fnmatch.fnmatchcase(name, entry)]
-            if not found:
+            hits = [name for name, _ in layers if fnmatch.fnmatchcase(name, entry)]
+            if not hits:
                 raise PolyampError(f"the recipe's keep entry {entry!r} matches no layer of the model; "
                                    f"its layers: {', '.join(n for n, _ in layers[:20])}")  # fmt: skip
-            kept.update(found)
-        self.kept = sorted(n for n, _ in matmuls if any(n == k or n.startswith(k + "/") for k in kept))
-        self.quantized = [(n, layer) for n, layer in matmuls if n not in self.kept]
+            for n, _ in matmuls:
+                if any(n == k or n.startswith(k + "/") for k in hits):
+                    reasons.setdefault(n, f"keep {entry!r}")
+        self.kept = sorted(reasons)
+        self.quantized = [(n, layer) for n, layer in matmuls if n not in reasons]
+        self.reasons = {**reasons, **{name: why for name, _, why in found if why is not None}}
+        self.order = [name for name, _, _ in found]
         for name, layer in self.quantized:
             if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None) is not None:
                 raise PolyampError(f"{type(layer).__name__} layer {name!r} is LoRA-enabled or Keras-"
-                                   "quantized; a recipe quantizes plain Dense and Conv layers only: keep "
-                                   "it (keep=...)")  # fmt: skip
+                                   "quantized; a recipe quantizes plain Dense, EinsumDense and Conv layers "
+                                   "only: keep it (keep=...)")  # fmt: skip
+
+    def record(self, recipe: str) -> RecipeLayers:
+        """Every matmul layer in model order: quantized, or kept with its reason."""
+        out = RecipeLayers(recipe)
+        for name in self.order:
+            out.add(name, self.reasons.get(name))
+        return out
 
     def install(self, quantizer: Quantizer, compute) -> None:
         """Each quantized layer's ``call``; the recipe's variables created where the model's are (under
@@ -358,6 +409,8 @@ class MatmulLayers:
         for name, layer in self.quantized:
             if isinstance(layer, keras.layers.Dense):
                 layer.call = _dense_call(layer, linear(quantizer, name, compute))
+            elif isinstance(layer, keras.layers.EinsumDense):
+                layer.call = einsum_call(layer, linear(quantizer, name, compute))
             else:
                 layer.call = conv_call(layer, conv(quantizer, name, compute, conv_options(layer)))
 

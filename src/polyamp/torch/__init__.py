@@ -42,7 +42,7 @@ class MixedPrecision(EagerMixedPrecision):
             from .recipe import LayerStack
 
             self._check_mine(model, "model")
-            layers = LayerStack(model, self.recipe.keep)
+            layers = LayerStack(model, self.recipe.keep, recipe_spec(self.recipe))
         try:
             model = super().watch(model)
         except BaseException:
@@ -53,6 +53,8 @@ class MixedPrecision(EagerMixedPrecision):
             if self._layers is not None:
                 self._layers.remove()
             self._layers = layers
+            self._recipe_layers = layers.record
+            layers.warn_if_none("mp.watch")
         return model
 
     def autocast(self, *, device: str | None = None, enabled: bool = True):
@@ -61,7 +63,8 @@ class MixedPrecision(EagerMixedPrecision):
         if self._layers is None:
             raise PolyampError(
                 f"the {self.recipe.name!r} recipe quantizes the matmuls of a watched model: call "
-                "mp.watch(model) once before training"
+                "mp.watch(model) once before training (and again after unpickling this MixedPrecision: "
+                "a watch binds it to the model's modules in this process and does not travel)"
             )
         from .recipe import autocast
 
@@ -82,6 +85,37 @@ class MixedPrecision(EagerMixedPrecision):
                                 if isinstance(state, dict) else state)  # fmt: skip
         if saved is not None:
             self._quantizer.load_state_dict(saved["state"])
+
+    # -- pickling ----------------------------------------------------------------------------------
+    # what binds the object to this process's tensors and modules: rebuilt by the next mp.watch / step
+    _TRANSIENT = {"_names": dict, "_origin": list, "_hooks": list, "_kept": list,
+                  "_stepped_grads": lambda: None, "_layers": lambda: None}  # fmt: skip
+
+    def __getstate__(self) -> dict:
+        """Pickled (``pickle``, ``copy.deepcopy``, ``torch.save`` of the object) at any point but between
+        ``mp.unscale_`` and ``mp.step`` (as ``GradScaler``): the policy, the loss scale and its state, the
+        recipe with its quantizer state (delayed histories, rounding counter) and ``mp.recipe_layers``.
+        Dropped (``_TRANSIENT``): what refers to this process's tensors and modules (the step guard's
+        gradient fingerprints, parameter names, the watch's hooks), so a recipe, ``keep_fp32`` or
+        ``debug=True`` needs ``mp.watch(model)`` again after unpickling (each says so if it is not)."""
+        if self._unscaled:
+            raise PolyampError("this MixedPrecision cannot be pickled between mp.unscale_(optimizer) and "
+                               "mp.step(optimizer) (its optimizers' gradients are unscaled, a state of "
+                               "this process's tensors): pickle it before unscale_ or after step, as "
+                               "GradScaler")  # fmt: skip
+        if self.process_group is not None:
+            raise PolyampError(f"this MixedPrecision holds process_group={self.process_group!r}, a "
+                               "torch.distributed group of this process, which does not pickle: create "
+                               "the MixedPrecision in each process (mp.state_dict() carries its "
+                               "state)")  # fmt: skip
+        state = dict(self.__dict__)
+        state.update((k, make()) for k, make in self._TRANSIENT.items())
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        for k, make in self._TRANSIENT.items():
+            self.__dict__.setdefault(k, make())
 
     def unscale_(self, optimizer: Any) -> bool:
         """Unscale ``optimizer``'s gradients now, so that code can read or change them before

@@ -28,7 +28,9 @@ Measured formats (``measure``: block formats and recipes, ``doctor/blocks.py``):
 gradient, weight (at the start of each step) and weight gradient is cast on its device by
 ``polyamp.torch.quantize`` (``quantize_blocks``; tensorwise ``quantize(fp32(x * scale), saturate) /
 scale``) and counted there (``measure_tensor``); the blocks' amaxes go to the host for the clip
-thresholds (``blocks.plan``), so each tensor and target costs a host round trip.
+thresholds (``blocks.plan``), so each tensor and target costs a host round trip. A recipe measures only
+the operands its torch GEMMs quantize, on the modules the recipe can quantize (``_Meter``); a ``Conv1D``
+weight ``(in, out)`` is measured transposed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
     """Observe ``steps`` float32 training steps of ``model`` on ``batch``; the model, its gradients and
     ``optimizer`` are left exactly as they were (module docstring). ``measure``: ``blocks.Target``s."""
     _check(model, batch, loss_fn, steps, optimizer)
-    meter = _Meter(tuple(measure)) if measure else None
+    meter = _Meter(tuple(measure), model) if measure else None
     layers = _layers(model)
     opt_params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
     opt_params = list({id(p): p for p in opt_params}.values())
@@ -82,18 +84,21 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
             model.train()
             handles = [m.register_forward_hook(_output_hook(name, found, scratch, meter))
                        for name, m, _ in layers if m is not None]  # fmt: skip
+            if meter:
+                handles += meter.input_hooks(model)
             for step in range(steps):
                 for p in params:
                     p.grad = None
                 unstepped = [(n, p) for n, _, ps in layers for p in ps if id(p) not in stepped]
                 _bin_into(found, "weight", unstepped, scratch)  # a stepped one's is binned with its update
                 if meter:
+                    meter.produced.clear()
                     meter.add_all("weight", [(n, p) for n, _, ps in layers for p in ps])
                 _loss(model, batch, loss_fn).backward()
                 _bin_into(found, "grad_weight", [(n, p.grad) for n, _, ps in layers for p in ps
                                                  if p.grad is not None], scratch)  # fmt: skip
                 if meter:
-                    meter.add_all("grad_weight", [(n, p.grad) for n, _, ps in layers for p in ps
+                    meter.add_all("grad_weight", [(n, p.grad, p) for n, _, ps in layers for p in ps
                                                   if p.grad is not None])  # fmt: skip
                 if optimizer is None:
                     continue
@@ -112,6 +117,8 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
         scratch.__exit__()
         for h in handles:
             h.remove()
+        if meter:
+            meter.produced.clear()
         with torch.no_grad():
             for p, grad in grads:
                 p.grad = grad
@@ -132,20 +139,58 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
 
 
 class _Meter:
-    """The measured targets' statistics of each tapped tensor: ``parts[(layer, kind)][label]``."""
+    """The measured targets' statistics of each tapped tensor: ``parts[(layer, kind)][label]``.
 
-    def __init__(self, targets: tuple):
+    A block format measures every tapped tensor. A recipe (``recipe:...``) measures only the operands its
+    torch GEMMs quantize, on the modules ``recipe.matmul_modules`` names quantizable (``nn.Linear``,
+    ``nn.ConvNd``, transformers' ``Conv1D``, kept ones too): their ``weight`` parameters, the gradients of
+    their outputs, and their inputs, filed as the output of the leaf module that produced them (an input no
+    leaf module produced, such as the model's own input or a reshaped attention output, is not measured).
+    A weight stored ``(in, out)`` (``Conv1D``) and its gradient are measured transposed, in the GEMM's
+    ``(out, in)`` layout, for every target."""
+
+    def __init__(self, targets: tuple, model: nn.Module):
+        from .recipe import matmul_modules
+
         self.targets = targets
         self.parts: dict = defaultdict(lambda: defaultdict(list))
+        gemms = [(n, m, how) for n, m, how in matmul_modules(model) if not how.startswith("unsupported")]
+        self.gemms = {n: m for n, m, _ in gemms}
+        self.weights = {id(m.weight) for _, m, _ in gemms if isinstance(getattr(m, "weight", None),
+                                                                       torch.Tensor)}  # fmt: skip
+        self.transposed = {id(m.weight) for _, m, how in gemms if how == "transposed"}
+        self.produced: dict[int, tuple[str, torch.Tensor]] = {}  # id(a leaf's output) -> (leaf, output)
 
-    def add(self, name: str, kind: str, t: torch.Tensor) -> None:
+    def add(self, name: str, kind: str, t: torch.Tensor, recipes: bool = True, blocks: bool = True) -> None:
         for target in self.targets:
-            if kind in target.casts:
+            recipe = target.label.startswith(_blocks.PREFIX)
+            if kind in target.casts and (recipes if recipe else blocks):
                 self.parts[name, kind][target.label].append(measure_tensor(t, target.casts[kind]))
 
     def add_all(self, kind: str, named: list) -> None:
-        for name, t in named:
-            self.add(name, kind, t)
+        """``(layer, parameter)`` or ``(layer, gradient, parameter)`` entries of a weight kind."""
+        for name, t, *param in named:
+            p = param[0] if param else t
+            self.add(name, kind, t.t() if id(p) in self.transposed else t, recipes=id(p) in self.weights)
+
+    def output(self, name: str, t: torch.Tensor) -> None:
+        """A leaf's output: measured by the block formats; remembered for the recipes (``input_hooks``)."""
+        self.add(name, "output", t, recipes=False)
+        if any(target.label.startswith(_blocks.PREFIX) for target in self.targets):
+            self.produced[id(t)] = (name, t)
+
+    def input_hooks(self, model: nn.Module) -> list:
+        """Forward pre-hooks on the quantizable modules: each input a leaf produced is measured (once) by
+        the recipes as that leaf's output."""
+
+        def hook(module, args):
+            x = args[0] if args else None
+            known = self.produced.get(id(x)) if isinstance(x, torch.Tensor) else None
+            if known is not None and known[1] is x:
+                del self.produced[id(x)]
+                self.add(known[0], "output", x, blocks=False)
+
+        return [m.register_forward_pre_hook(hook) for m in self.gemms.values()]
 
 
 def measure_tensor(t: torch.Tensor, cast: _blocks.Cast) -> _blocks.Measured:
@@ -349,14 +394,14 @@ def _output_hook(name: str, found, scratch: Scratch, meter: _Meter | None):
     def grad_hook(grad):
         found[name, "grad_output"].append(binned(grad, scratch))
         if meter:
-            meter.add(name, "grad_output", grad)
+            meter.add(name, "grad_output", grad, recipes=name in meter.gemms)
 
     def hook(module, inputs, output):
         for t in _leaves(output):
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 found[name, "output"].append(binned(t, scratch))
                 if meter:
-                    meter.add(name, "output", t)
+                    meter.output(name, t)
                 if t.requires_grad:
                     t.register_hook(grad_hook)
 

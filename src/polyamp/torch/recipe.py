@@ -1,10 +1,10 @@
-"""Emulated low-precision training in PyTorch: ``polyamp.recipes`` applied to ``F.linear`` and
-``F.convNd`` (``recipe_conv.py``).
+"""Emulated low-precision training in PyTorch: ``polyamp.recipes`` applied to ``F.linear``,
+``F.convNd`` (``recipe_conv.py``) and transformers' ``Conv1D``.
 
 Under ``mp.autocast()`` of a ``MixedPrecision`` made from a recipe (``"fp8-tensorwise"``,
 ``"fp8-delayed"``, ``"mxfp8"``, ``"nvfp4"``), each ``torch.nn.functional.linear`` call inside the
-watched model (``nn.Linear``, and the functional calls of other modules, e.g. attention's
-projections) becomes three quantized GEMMs, as TransformerEngine runs them:
+watched model (``nn.Linear``, and the functional calls of other modules) becomes three quantized GEMMs,
+as TransformerEngine runs them:
 
     forward        y  = Qf(x) @ Qf(W)^T (+ b)
     input grad     dx = Qb(g) @ Qf'(W)
@@ -18,9 +18,16 @@ per-tensor scaling and NVFP4's 16x16 weight blocks. With ``hadamard=True`` (NVFP
 are first multiplied by the random Hadamard matrix in tiles of 16 along ``M`` (``hadamard.py``; ``M``
 zero padded to a multiple of 16), so ``dW = Qb'(g^T H) @ Qf'(x^T H)^T``: ``H`` is orthogonal, and only
 the quantization error changes.
+A module that stores its weight ``(in, out)`` and computes ``x @ W`` (transformers' ``Conv1D``, GPT-2's
+layers: ``torch.addmm(b, x, W)``) runs the same three GEMMs on ``W^T`` (``F.linear(x, W^T, b)``): a
+``torch.addmm`` / ``matmul`` / ``mm`` call whose weight operand is that module's own ``weight``.
 A GEMM the recipe leaves unquantized takes its operands as they are. Products run in the recipe's
 compute dtype (bf16 or fp32), and so does everything else (``torch.autocast``); layers in the keep
-list (by default the first and last ``nn.Linear`` / ``nn.ConvNd``) compute as bf16-mixed.
+list (by default the first and last matmul module, ``LayerStack``) compute as bf16-mixed.
+``nn.MultiheadAttention``'s projections are not quantized: they run inside
+``F.multi_head_attention_forward``, which a ``TorchFunctionMode`` sees as one call (its inner ``F.linear``
+calls are dispatched with the mode off); ``matmul_modules`` records it, transposed convolutions,
+recurrent layers and ``nn.Bilinear`` as unsupported in ``mp.recipe_layers``.
 
 Quantization, bit-identical to the numpy core (``tests/test_torch_recipes.py``):
 - tensorwise: ``scale = current_scale(amax)`` (TE's rule), ``fp32(x * scale)`` cast to e4m3fn / e5m2
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import sys
 
 import numpy as np
 import torch
@@ -47,6 +55,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import PolyampError
 from ..numerics import get_format
 from ..quantizer_state import QuantizerState
+from ..recipe_layers import RecipeLayers
 from .hadamard import hadamard_tiles
 from .quantize import quantize, quantize_blocks
 from .recipe_conv import is_conv, quantized_conv
@@ -54,7 +63,6 @@ from .recipe_conv import is_conv, quantized_conv
 _FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _COMPUTE = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _FLT_MAX = float(np.finfo(np.float32).max)
-_MATMUL_MODULES = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
 class Quantizer(QuantizerState):
@@ -176,8 +184,10 @@ class _QuantizedLinear(torch.autograd.Function):
 
 
 class RecipeMode(TorchFunctionMode):
-    """Routes ``F.linear`` calls to ``_QuantizedLinear`` (``F.convNd`` to ``recipe_conv``) while the
-    innermost running module (``layers``' stack, kept by ``mp.watch``'s hooks) is not kept."""
+    """Routes ``F.linear`` calls to ``_QuantizedLinear`` (``F.convNd`` to ``recipe_conv``; a transposed-weight
+    module's ``torch.addmm`` / ``matmul`` / ``mm`` with its own weight to ``_QuantizedLinear`` of that weight
+    transposed) while the innermost running module (``layers``' stack, kept by ``mp.watch``'s hooks) is not
+    kept."""
 
     def __init__(self, quantizer: Quantizer, layers: LayerStack, compute: torch.dtype):
         super().__init__()
@@ -185,47 +195,205 @@ class RecipeMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear or is_conv(func):
+        if func is F.linear or is_conv(func) or func in _GEMMS:
             layer = self.layers.current()
             if layer is not None and not self.layers.is_kept(layer):
-                if func is not F.linear:
+                if func is F.linear:
+                    named = dict(zip(("input", "weight", "bias"), args), **kwargs)
+                    self.layers.note(layer)
+                    return _QuantizedLinear.apply(named["input"], named["weight"], named.get("bias"),
+                                                  self.quantizer, layer, self.compute)  # fmt: skip
+                if func not in _GEMMS:
+                    self.layers.note(layer)
                     return quantized_conv(func, args, kwargs, self.quantizer, layer, self.compute)
-                named = dict(zip(("input", "weight", "bias"), args), **kwargs)
-                return _QuantizedLinear.apply(named["input"], named["weight"], named.get("bias"),
-                                              self.quantizer, layer, self.compute)  # fmt: skip
+                weight = self.layers.transposed.get(layer)
+                operands = None if weight is None else _times_weight(func, args, kwargs, weight)
+                if operands is not None:
+                    return _QuantizedLinear.apply(operands[0], weight.t(), operands[1], self.quantizer, layer,
+                                                  self.compute)  # fmt: skip
         return func(*args, **kwargs)
 
 
-class LayerStack:
-    """Which module is running (forward pre/post hooks on every module of the watched model), and the
-    recipe's keep list resolved to module names: ``first`` / ``last`` are the first and last
-    ``nn.Linear`` or ``nn.ConvNd`` in ``named_modules`` order, other entries ``fnmatch`` patterns."""
+_GEMMS = (torch.addmm, torch.Tensor.addmm, torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm)
 
-    def __init__(self, model: torch.nn.Module, keep: tuple[str, ...]):
+
+def _times_weight(func, args, kwargs, weight: torch.Tensor):
+    """``(x, bias)`` when the call is ``x @ weight`` (``bias`` None) or ``torch.addmm(bias, x, weight)`` with
+    a 1-d bias, ``beta`` and ``alpha`` 1 (transformers' ``Conv1D``); else None."""
+    if func in (torch.addmm, torch.Tensor.addmm):
+        named = dict(zip(("input", "mat1", "mat2"), args), **kwargs)
+        plain = named.get("beta", 1) == 1 and named.get("alpha", 1) == 1 and set(named) <= {
+            "input", "mat1", "mat2", "beta", "alpha"}  # fmt: skip
+        bias = named.get("input")
+        if named.get("mat2") is weight and plain and isinstance(bias, torch.Tensor) and bias.dim() == 1:
+            return named["mat1"], bias
+        return None
+    names = ("input", "other") if func in (torch.matmul, torch.Tensor.matmul) else ("input", "mat2")
+    named = dict(zip(names, args), **kwargs)
+    return (named["input"], None) if set(named) == set(names) and named[names[1]] is weight else None
+
+
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+_MHA_WHY = ("its in- and out-projections run inside F.multi_head_attention_forward, which a "
+            "TorchFunctionMode sees as one call (the F.linear calls inside it never reach the recipe); "
+            "attention built from nn.Linear projections (as Hugging Face models build it) is "
+            "quantized")  # fmt: skip
+_UNSUPPORTED = (
+    ((torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d),
+     "transposed convolutions are not quantized; it computes in the recipe's compute dtype"),
+    ((torch.nn.MultiheadAttention,), _MHA_WHY),
+    ((torch.nn.RNNBase,), "a recurrent layer's matmuls run inside one fused kernel, not quantized"),
+    ((torch.nn.Bilinear,), "F.bilinear is not one of the recipes' GEMMs"),
+)  # fmt: skip
+
+
+def _transposed_types() -> tuple[type, ...]:
+    """Module types whose forward is ``x @ weight`` with ``weight`` stored ``(in, out)``: transformers'
+    ``Conv1D`` (GPT-2's layers: ``torch.addmm(bias, x, weight)``), when transformers is imported."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(utils, "Conv1D", None)
+    return (conv1d,) if isinstance(conv1d, type) else ()
+
+
+def matmul_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """Every matmul module of ``model`` (``named_modules`` order; the model itself named by its type) with how
+    the recipe runs it: ``"linear"`` (``nn.Linear``: ``F.linear``), ``"conv"`` (``nn.ConvNd``: ``F.convNd``),
+    ``"transposed"`` (transformers' ``Conv1D``: ``x @ W``, ``W`` stored ``(in, out)``, quantized as the
+    linear GEMMs of ``W^T``), or ``"unsupported: <type>: <why>"`` (computes in the compute dtype)."""
+    transposed = _transposed_types()
+    out: list[tuple[str, torch.nn.Module, str]] = []
+    attention: list[str] = []  # nn.MultiheadAttention modules: their out_proj never runs as a module
+    for name, m in model.named_modules():
+        inside = next((a for a in attention if name.startswith(a + ".")), None)
+        how = next((f"unsupported: {type(m).__name__}: {why}" for types, why in _UNSUPPORTED
+                    if isinstance(m, types)), None)  # fmt: skip
+        if isinstance(m, torch.nn.MultiheadAttention):
+            attention.append(name)
+        if inside is not None and isinstance(m, torch.nn.Linear):
+            how = f"unsupported: {type(m).__name__} inside MultiheadAttention {inside!r}: {_MHA_WHY}"
+        elif how is None:
+            how = ("linear" if isinstance(m, torch.nn.Linear) else "conv" if isinstance(m, _CONVS)
+                   else "transposed" if isinstance(m, transposed) else None)  # fmt: skip
+        if how is not None and not name:
+            how = (f"unsupported: {type(m).__name__}: the watched model itself runs unnamed; wrap it "
+                   "(nn.Sequential(model)) to quantize it")  # fmt: skip
+        if how is not None:
+            out.append((name or type(m).__name__, m, how))
+    return out
+
+
+def _block_of(name: str) -> str | None:
+    """The repeated block ``name`` lies in (its longest prefix ending in an index: ``model.layers.0`` for
+    ``model.layers.0.self_attn.q_proj``), when that is not ``name`` itself."""
+    parts = name.split(".")
+    ends = [i for i, p in enumerate(parts[:-1]) if p.isdigit()]
+    return ".".join(parts[: ends[-1] + 1]) if ends else None
+
+
+class _Enter:
+    """A forward pre-hook pushing the module's name on the stack (picklable: an unpickled copy is a
+    ``_Detached`` no-op, so that a watched model still pickles and ``torch.save``s)."""
+
+    def __init__(self, stack: list[str], name: str):
+        self.stack, self.name = stack, name
+
+    def __call__(self, *_) -> None:
+        self.stack.append(self.name)
+
+    def __reduce__(self):
+        return _Detached, ()
+
+
+class _Leave(_Enter):
+    """The forward hook popping it (returns None: a forward hook's result would replace the output)."""
+
+    def __call__(self, *_) -> None:
+        self.stack.pop()
+
+
+class _Detached:
+    """What a watch's hook becomes in a copy of the model: nothing (watch the copy to quantize it)."""
+
+    def __call__(self, *_) -> None:
+        return None
+
+
+class LayerStack:
+    """Which module is running (forward pre/post hooks on every module of the watched model), the recipe's
+    keep list resolved to module names, and the record of what the recipe quantizes (``record``,
+    ``mp.recipe_layers``): ``first`` / ``last`` are the first and last matmul module the recipe quantizes
+    (``matmul_modules``: ``nn.Linear``, ``nn.ConvNd``, transformers' ``Conv1D``) in ``named_modules``
+    order; other entries are ``fnmatch`` patterns over module names; a kept module keeps the modules below
+    it. A module not in ``matmul_modules`` whose own ``F.linear`` / ``F.convNd`` calls are quantized enters
+    the record when it first runs."""
+
+    def __init__(self, model: torch.nn.Module, keep: tuple[str, ...], recipe: str):
         if not isinstance(model, torch.nn.Module):
             raise PolyampError(f"expected a torch.nn.Module, got {type(model).__name__}")
         modules = [(n, m) for n, m in model.named_modules() if n]
-        linears = [n for n, m in modules if isinstance(m, _MATMUL_MODULES)]
-        self.kept: set[str] = set()
+        matmuls = matmul_modules(model)
+        supported = [n for n, _, how in matmuls if not how.startswith("unsupported")]
+        self.kept: dict[str, str] = {}  # module name -> the keep entry that keeps it (and those below)
         for entry in keep:
             if entry in ("first", "last"):
-                if linears:
-                    self.kept.add(linears[0] if entry == "first" else linears[-1])
+                if supported:
+                    self.kept.setdefault(supported[0] if entry == "first" else supported[-1], entry)
                 continue
             found = [n for n, _ in modules if fnmatch.fnmatchcase(n, entry)]
             if not found:
                 raise PolyampError(f"the recipe's keep entry {entry!r} matches no module of the model; "
                                    f"its modules: {', '.join(n for n, _ in modules[:20])}")  # fmt: skip
-            self.kept.update(found)
+            for n in found:
+                self.kept.setdefault(n, entry)
+        self.transposed = {n: m.weight for n, m, how in matmuls if how == "transposed"}
+        self._keeper: dict[str, str | None] = {}
+        self.record = RecipeLayers(recipe)
+        for name, _, how in matmuls:
+            entry = self.keeper(name)
+            self.record.add(name, how if how.startswith("unsupported") else
+                            None if entry is None else self._reason(entry, name))  # fmt: skip
+        self._recorded = {*self.record.quantized, *self.record.kept}
+        known = {id(m) for _, m, _ in matmuls}  # a module owning a matrix may call F.linear with it
+        self.functional = any(p.dim() >= 2 for _, m in modules if id(m) not in known
+                              and not isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                              for p in m.parameters(recurse=False))  # fmt: skip
+        self.checked = False  # the first mp.autocast() block has run
         self._stack: list[str] = []
         self.handles = []
-
-        def leave(*_) -> None:  # a forward hook that returns something replaces the output
-            self._stack.pop()
-
         for name, m in modules:
-            self.handles.append(m.register_forward_pre_hook(lambda *_, n=name: self._stack.append(n)))
-            self.handles.append(m.register_forward_hook(leave))
+            self.handles.append(m.register_forward_pre_hook(_Enter(self._stack, name)))
+            self.handles.append(m.register_forward_hook(_Leave(self._stack, name)))
+
+    def _reason(self, entry: str, name: str) -> str:
+        """The record's reason for a module ``entry`` keeps: ``keep 'first'`` / ``keep 'last'`` (and the
+        pattern that would keep the first module's whole block) or ``keep '<pattern>'``."""
+        if entry not in ("first", "last"):
+            return f"keep {entry!r}"
+        block = _block_of(name)
+        more = f"; keep=first|last|{block}.* keeps its whole block" if entry == "first" and block else ""
+        return f"keep {entry!r}: the {entry} matmul module in named_modules order{more}"
+
+    def keeper(self, layer: str) -> str | None:
+        """The keep entry that keeps ``layer`` (it or an ancestor), else None."""
+        if layer not in self._keeper:
+            parts = layer.split(".")
+            prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+            self._keeper[layer] = next((self.kept[p] for p in prefixes if p in self.kept), None)
+        return self._keeper[layer]
+
+    def warn_if_none(self, where: str) -> None:
+        """``RecipeLayers.warn_if_none``: at ``mp.watch`` unless a module outside ``matmul_modules`` owns a
+        matrix (its own ``F.linear`` calls are found when they run), then after the first
+        ``mp.autocast()`` block."""
+        if where == "mp.watch" and self.functional:
+            return
+        self.record.warn_if_none("torch", where)
+
+    def note(self, layer: str) -> None:
+        """Record ``layer`` as quantized (its own ``F.linear`` / ``F.convNd`` call, met at run time)."""
+        if layer not in self._recorded:
+            self._recorded.add(layer)
+            self.record.add(layer)
 
     def reset(self) -> None:
         """Forget modules left on the stack by a forward that raised."""
@@ -236,7 +404,7 @@ class LayerStack:
 
     def is_kept(self, layer: str) -> bool:
         """``layer`` or one of its ancestors is kept."""
-        return any(layer == k or layer.startswith(k + ".") for k in self.kept)
+        return self.keeper(layer) is not None
 
     def remove(self) -> None:
         for h in self.handles:
@@ -254,3 +422,7 @@ def autocast(quantizer: Quantizer, layers: LayerStack, device: str):
             stack.enter_context(torch.autocast(device.split(":")[0], dtype=compute))
         stack.enter_context(RecipeMode(quantizer, layers, compute))
         yield
+    if not layers.checked:
+        layers.checked = True
+        if layers.functional:
+            layers.warn_if_none("mp.autocast")

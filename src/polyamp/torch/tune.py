@@ -13,7 +13,11 @@ Knobs (the first value is the default):
 - ``channels_last``: for a model with 2-d convolutions, its memory format, off / on;
 - ``attention``: for a model that calls ``scaled_dot_product_attention`` (or has an
   ``nn.MultiheadAttention``), torch's choice of kernel (``default``: flash attention on CPU) or its
-  ``math`` one (matmuls and a softmax, ``torch.nn.attention.sdpa_kernel``).
+  ``math`` one (matmuls and a softmax, ``torch.nn.attention.sdpa_kernel``). A Hugging Face model reaches
+  its attention through ``config._attn_implementation`` (transformers' ``ALL_ATTENTION_FUNCTIONS``), which
+  no source of its own names: for it the values are ``default`` (as configured), ``math`` (when
+  configured ``sdpa``: its kernel as above) and transformers' other implementation of ``sdpa`` and
+  ``eager`` (its own matmuls and softmax), set the transformers way (``set_attn_implementation``).
 
 ``apply(report, model, optimizer)`` returns ``(mp, model, optimizer)`` set up as the report's best.
 """
@@ -33,6 +37,9 @@ from ..tune.search import tune as search
 from ..tune.space import Candidate, Knob
 
 _OPTIMIZER = "optimizer"
+# what a first torch.compile of a training step adds to a build, until one is measured: it grows with the
+# graph (on this 2-core CPU: tens of seconds for a 5-layer MLP, a minute or more for a 2-layer GPT-2)
+COMPILE_S, COMPILE_S_PER_MODULE = 10.0, 1.5
 
 
 def knobs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Knob]:
@@ -43,15 +50,48 @@ def knobs(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     if impls:
         out[_OPTIMIZER] = Knob(("as given", *impls), "the optimizer runs its {value} implementation")
     out["compile"] = Knob((False, True), "torch.compile {value}: TorchInductor fuses the model's elementwise "
-                          "work around its matmuls")  # fmt: skip
+                          "work around its matmuls", build_s=COMPILE_S + COMPILE_S_PER_MODULE
+                          * sum(1 for _ in model.modules()))  # fmt: skip
     n = torch.get_num_threads()
     if n > 1:
         out["threads"] = Knob((n, n // 2), "{value} intra-op threads")
     if any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
         out["channels_last"] = Knob((False, True), "channels-last memory format {value} for the convolutions")
-    if _uses_attention(model):
+    hf = _hf_model(model)
+    if hf is not None:
+        impl = hf.config._attn_implementation
+        values = ("default", *(("math",) if impl == "sdpa" else ()), *(v for v in _HF_ATTENTION if v != impl))
+        out["attention"] = Knob(values, f"transformers' attention {{value}} (default: as configured, {impl}; "
+                                "math: sdpa on torch's math kernel; sdpa or eager: transformers' "
+                                "implementation of that name)")  # fmt: skip
+    elif _uses_attention(model):
         out["attention"] = Knob(("default", "math"), "scaled_dot_product_attention's {value} kernel")
     return out
+
+
+_HF_ATTENTION = ("sdpa", "eager")  # transformers' implementations on every device (flash ones need CUDA)
+
+
+def _hf_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The outermost module whose ``config`` names a Hugging Face attention implementation (a
+    ``PreTrainedModel``, or one inside the user's module), else None."""
+    for m in model.modules():
+        if isinstance(getattr(getattr(m, "config", None), "_attn_implementation", None), str):
+            return m
+    return None
+
+
+def _set_hf_attention(model: torch.nn.Module, impl: str) -> None:
+    """Switch a Hugging Face model's attention to ``impl`` (``set_attn_implementation`` where
+    transformers has it, else the config attribute its layers read at each call)."""
+    hf = _hf_model(model)
+    if hf is None:
+        raise PolyampError(f"attention={impl!r} is a Hugging Face attention implementation; this model "
+                           "has no config._attn_implementation")  # fmt: skip
+    if callable(getattr(hf, "set_attn_implementation", None)):
+        hf.set_attn_implementation(impl)
+    else:
+        hf.config._attn_implementation = impl
 
 
 def _uses_attention(model: torch.nn.Module) -> bool:
@@ -71,8 +111,12 @@ def _uses_attention(model: torch.nn.Module) -> bool:
 def _attend(model: torch.nn.Module, kernel: str) -> None:
     """Run ``model``'s forward inside the ``attention`` knob's kernel choice. The choice wraps the forward
     itself (an instance attribute), so that ``torch.compile(model)`` traces it: a context entered around
-    a compiled call is not seen by the compiled graph. The backward follows the kernel the forward ran."""
+    a compiled call is not seen by the compiled graph. The backward follows the kernel the forward ran.
+    ``sdpa`` / ``eager``: a Hugging Face model's attention implementation, switched."""
     if kernel == "default":
+        return
+    if kernel in _HF_ATTENTION:
+        _set_hf_attention(model, kernel)
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -213,7 +257,8 @@ def apply(report, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """``(mp, model, optimizer)`` configured as ``report.best``: the policy's ``MixedPrecision`` watching
     the model (compiled if chosen), the optimizer rebuilt in the chosen implementation, the thread count
     set for the process, and the chosen attention kernel around the model's forward (its backward
-    follows the kernel the forward ran)."""
+    follows the kernel the forward ran; a Hugging Face model's ``sdpa`` / ``eager`` implementation
+    switched on the model itself)."""
     if report.framework != "torch":
         raise PolyampError(f"this report tuned {report.framework}, not torch")
     s = report.settings
