@@ -18,6 +18,7 @@ from polyamp import PolyampError, recipes  # noqa: E402
 from polyamp.jax import recipe as jr  # noqa: E402
 from polyamp.jax import recipe_state as rs  # noqa: E402
 from polyamp.numerics import hadamard_tiles  # noqa: E402
+from polyamp.recipe_layers import RecipeWarning  # noqa: E402
 
 JAX_RECIPES = ["fp8-tensorwise", "mxfp8", "mxfp8:scale_rule=floor", "nvfp4:grad_rounding=nearest"]
 
@@ -459,6 +460,12 @@ def test_a_stateful_recipe_inside_a_loop_or_with_a_wrong_state_is_one_clear_erro
 
     with pytest.raises(PolyampError, match="'fc' is inside a scan"):
         mp.value_and_grad(mp.autocast(looped))(p, x, y, state=mp.init())
+
+    def checkpointed(p, x, y):  # named as the user wrote it (before: "inside a remat2")
+        return loss_fn(p, jax.checkpoint(lambda x: x)(x) * 1.0, y) + jnp.mean(jax.checkpoint(model)(p, x))
+
+    with pytest.raises(PolyampError, match=r"'fc0' is inside a jax.checkpoint \(jax.remat\)"):
+        mp.value_and_grad(mp.autocast(checkpointed))(init([16, 16, 4]), x, y, state=mp.init())
     with pytest.raises(PolyampError, match="pass the state from mp.init"):
         plain = pa.MixedPrecision("bf16-mixed", framework="jax").init()
         mp.value_and_grad(mp.autocast(loss_fn))(p, x, y, state=plain)
@@ -523,3 +530,41 @@ def test_steps_draw_the_seeds_and_scales_of_torchs_recipe(spec):
         for got, layer in zip((grads["w0"], grads["w1"]), (model[0], model[2])):
             want = layer.weight.grad.T.numpy()
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_a_recipe_that_quantizes_nothing_warns_and_records_why():
+    mp = pa.MixedPrecision("fp8-tensorwise:keep=fc*", framework="jax")
+    p, x, y = init([16, 32, 4]), jnp.ones((8, 16)), jnp.ones((8, 4))
+    with pytest.warns(RecipeWarning, match="quantizes no layer of this JAX model"):
+        mp.autocast(loss_fn)(p, x, y)
+    assert mp.recipe_layers.as_dict() == {"recipe": "fp8-tensorwise:keep=fc*", "quantized": [],
+                                          "kept": {"fc0": "keep 'fc*'", "fc1": "keep 'fc*'"}}  # fmt: skip
+    mp = pa.MixedPrecision("mxfp8", framework="jax")
+    with pytest.raises(PolyampError, match="known after mp.watch"):
+        mp.recipe_layers  # noqa: B018
+    jax.eval_shape(mp.autocast(loss_fn), init([16, 32, 32, 4]), x, y)
+    assert mp.recipe_layers.quantized == ["fc1"]
+    assert mp.recipe_layers.kept == {"fc0": "keep 'first'", "fc2": "keep 'last'"}
+
+
+@pytest.mark.parametrize("spec", JAX_RECIPES)
+def test_the_dense_forms_of_real_layers_are_the_same_quantized_gemm(spec):
+    # Equinox's vmapped W @ x, x @ W.T, and an NNX LinearGeneral's 3-d kernel (before: run as bf16-mixed)
+    eqx = require("equinox")
+    mp = pa.MixedPrecision(f"{spec}:keep=", framework="jax")
+    r = recipes.parse_recipe(f"{spec}:keep=")
+    x, w = jnp.asarray(wide((8, 64), 6)), jnp.asarray(wide((96, 64), 7) / 8)  # w: [N, K], torch's layout
+    f32 = jnp.float32
+    want = jr.dot(r, jnp.bfloat16, f32, f32)(x, w.T)
+    lin = eqx.nn.Linear(64, 96, use_bias=False, key=jax.random.PRNGKey(0))
+    lin = eqx.tree_at(lambda m: m.weight, lin, w)
+    got = {"eqx W @ x": mp.autocast(lambda m, x: jax.vmap(m)(x))(lin, x),
+           "x @ W.T": mp.autocast(lambda w, x: x @ w.T)(w, x),
+           "3-d kernel": mp.autocast(lambda k, x: jnp.einsum("bk,knh->bnh", x, k))(w.T.reshape(64, 8, 12),
+                                                                                    x)}  # fmt: skip
+    assert same(got["3-d kernel"].reshape(8, 96), want)
+    for form in ("eqx W @ x", "x @ W.T"):
+        assert same(got[form], want), form
+    g_want = jax.grad(lambda w: jnp.sum(jr.dot(r, jnp.bfloat16, f32, f32)(x, w.T) ** 2))(w)
+    g_got = jax.grad(lambda m: jnp.sum(mp.autocast(lambda m, x: jax.vmap(m)(x))(m, x) ** 2))(lin).weight
+    assert same(g_got, g_want)

@@ -17,7 +17,7 @@ from .errors import PolyampError, invalid
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
 _MODULE_ROOTS = {"torch": "torch", "tensorflow": "tensorflow", "keras": "tensorflow",
                  "tf_keras": "tensorflow", "jax": "jax", "jaxlib": "jax", "optax": "jax",
-                 "flax": "jax", "mxnet": "mxnet"}  # fmt: skip
+                 "flax": "jax", "equinox": "jax", "mxnet": "mxnet"}  # fmt: skip
 
 # common names for the frameworks -> polyamp's
 ALIASES = {"pytorch": "torch", "tf": "tensorflow", "keras": "tensorflow", "tf.keras": "tensorflow",

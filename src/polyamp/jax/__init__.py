@@ -8,7 +8,9 @@
 ``mp.grad(fn, argnums=0, has_aux=False, axis_name=None)(*args, state=state)`` returns
 ``(grads, finite, new_state)`` (``((grads, aux), ...)`` with ``has_aux=True``);
 ``mp.value_and_grad`` returns ``((value, grads), finite, new_state)`` (``value`` is
-``(loss, aux)`` with ``has_aux``). The loss is multiplied by ``state.scale`` in float32
+``(loss, aux)`` with ``has_aux``); a differentiated argument may be a whole Equinox or NNX module: as
+``eqx.filter_value_and_grad`` does, only its floating array leaves are differentiated and the others
+pass through, their grads None. The loss is multiplied by ``state.scale`` in float32
 before differentiation and the grads are multiplied by ``1/scale`` after, so they are unscaled;
 ``finite`` is one fused all-finite reduction over every floating gradient (all-reduced with
 ``lax.pmin`` over ``axis_name`` inside ``shard_map``/``pmap``); ``new_state`` is the
@@ -48,7 +50,7 @@ from . import autocast as _autocast
 from . import recipe_state as _recipe_state
 from .autocast import DEFAULT_RULES, AutocastRules, check_arguments
 from .recipe_state import RecipeState, keeps_state
-from .tree import all_finite, cast_tree, select_tree, step_if_finite
+from .tree import all_finite, cast_tree, eval_shape, is_array, select_tree, split_static, step_if_finite
 
 # the loss-scale state is a pytree here: the scale and the counters are leaves (next_scale, only
 # used by MXNet's one-step lag, is static)
@@ -76,8 +78,10 @@ class MixedPrecision(_Base):
     def autocast(self, fn=None, *, enabled: bool = True, rules: AutocastRules | None = None):
         """``fn`` rewritten so its matmuls and convolutions run in the compute dtype (float32
         accumulation), reductions and exp/log in float32; ``rules`` is an ``AutocastRules`` table.
-        The equations under the ``jax.named_scope`` paths that ``mp.keep_fp32`` names run as traced,
-        in float32; a name that matches no scope of ``fn`` raises when ``fn`` is traced."""
+        The equations of the layers that ``mp.keep_fp32`` names (``jax.named_scope`` paths; the module
+        paths of NNX and Equinox modules among ``fn``'s arguments, ``blocks.0.attn``) run as traced, in
+        float32; a name that matches no layer of ``fn`` raises when ``fn`` is traced. Under a recipe,
+        each trace sets ``mp.recipe_layers``."""
         if fn is None:
             rules_arg = ", rules=rules" if rules is not None else ""
             raise PolyampError(f"JAX has no autocast context; mp.autocast rewrites a function: "
@@ -96,7 +100,10 @@ class MixedPrecision(_Base):
         if policy.compute_dtype != "float32":
             _check_device_supports(policy.compute_dtype)
         return _autocast.autocast(fn, policy.compute_dtype, policy.output_dtype, rules, self.keep_fp32,
-                                  self.recipe)  # fmt: skip
+                                  self.recipe, self._set_recipe_layers)  # fmt: skip
+
+    def _set_recipe_layers(self, record) -> None:
+        self._recipe_layers = record
 
     def __getattr__(self, name: str):
         if name in ("backward", "step", "apply"):  # the eager and Keras steps
@@ -124,7 +131,7 @@ class MixedPrecision(_Base):
         if fn is not None and self.recipe.kind == "delayed":
             run = _recipe_state.Run(self.recipe, rs.calls, {k: e["scale"] for k, e in rs.delayed.items()})
             with _recipe_state.running(run):
-                jax.eval_shape(fn, *args, **kwargs)
+                eval_shape(fn, *args, **kwargs)
             rs = _recipe_state.fill(self.recipe, rs, run.missing)
         return RecipeStepState(**fields, recipe=rs)
 
@@ -193,15 +200,18 @@ class MixedPrecision(_Base):
 
         stateful = keeps_state(self.recipe)
 
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
         @functools.wraps(fn)
         def value_and_grad_fn(*args, state=None, **kwargs):
             _check_state(state)
             _check_param_dtypes(args, argnums, policy)
+            args, restore = split_static(args, nums)  # a whole module: its other leaves pass through
             if stateful:
-                return self._recipe_step(fn, argnums, has_aux, axis_name, args, kwargs, state)
+                return self._recipe_step(fn, argnums, has_aux, axis_name, args, kwargs, state, restore)
 
             def scaled(*a, **k):
-                out = fn(*a, **k)
+                out = fn(*restore(a), **k)
                 loss, aux = out if has_aux else (out, None)
                 _check_loss(loss)
                 big = loss.astype(jnp.float32) * state.scale if scaling else loss
@@ -221,7 +231,7 @@ class MixedPrecision(_Base):
 
         return value_and_grad_fn
 
-    def _recipe_step(self, fn, argnums, has_aux, axis_name, args, kwargs, state):
+    def _recipe_step(self, fn, argnums, has_aux, axis_name, args, kwargs, state, restore):
         """``value_and_grad`` under a recipe that keeps state (``recipe_state.py``): the gradient is
         also taken with respect to the delayed scales, which yields the step's amaxes."""
         if not isinstance(state, RecipeStepState) or not isinstance(state.recipe, RecipeState):
@@ -236,7 +246,7 @@ class MixedPrecision(_Base):
             def scaled(scales, *a, **k):
                 run.scales = scales
                 with _recipe_state.running(run):
-                    out = fn(*a, **k)
+                    out = fn(*restore(a), **k)
                 loss, aux = out if has_aux else (out, None)
                 _check_loss(loss)
                 big = loss.astype(jnp.float32) * state.scale if scaling else loss
@@ -287,6 +297,8 @@ def _check_param_dtypes(args, argnums, policy) -> None:
         return
     for i in (argnums,) if isinstance(argnums, int) else argnums:
         for leaf in jax.tree.leaves(args[i] if i < len(args) else ()):
+            if not is_array(leaf):
+                continue
             dtype = jnp.result_type(leaf)
             if jnp.issubdtype(dtype, jnp.floating) and dtype != jnp.dtype(policy.param_dtype):
                 raise PolyampError(

@@ -27,9 +27,11 @@ rules: ``jit``/``closed_call`` are inlined, ``remat`` is re-wrapped in ``jax.che
 ``custom_jvp``/``custom_vjp`` functions get an autocast primal while their custom derivative rule
 runs as written, in the dtypes the function was traced with.
 
-Layers kept in float32 (``keep_fp32``, ``polyamp.doctor``'s recommendation): an equation's layer is its
-``jax.named_scope`` path, the ``Scope`` entries of its ``source_info.name_stack`` joined by "/" and
-prefixed by those of the equations whose sub-jaxpr holds it (``block1/ff1``; the doctor's layer names).
+Layers kept in float32 (``keep_fp32``, ``polyamp.doctor``'s recommendation): an equation's layer is
+the module path of the NNX / Equinox module whose call holds it (``modules.py`` names them while
+``fn`` is traced; ``blocks.0.attn.query``), else its ``jax.named_scope`` path, the ``Scope`` entries of
+its ``source_info.name_stack`` joined by "/" and prefixed by those of the equations whose sub-jaxpr
+holds it (``block1/ff1``; the doctor's layer names).
 An equation whose path a ``keep_fp32`` name keeps (``mixed_precision.kept``: the name or one of its
 ancestors) runs as traced, on its inputs cast back to the traced dtypes (float32), with JAX's own
 derivative; a ``jit`` or a loop under a kept name runs whole that way. A parameter that equations outside
@@ -53,7 +55,9 @@ from jax.extend import core as jcore
 from ..errors import PolyampError
 from ..mixed_precision import kept, unmatched_layers
 from . import layout, recipe
-from .scopes import leaf_name, name_scopes, scope_paths
+from .modules import leaf_names, model_leaves, module_scopes
+from .scopes import layer_of, name_scopes, scope_paths
+from .tree import is_array
 
 _REDUCTIONS = ("reduce_sum reduce_prod reduce_max reduce_min argmax argmin cumsum cumprod cumlogsumexp "
                "cummax cummin reduce_window_sum reduce_window_max reduce_window_min psum psum_invariant "
@@ -201,6 +205,7 @@ class Interpreter:
         self.keep_fp32 = tuple(keep_fp32)
         # dense matmuls and convolutions quantized but in these scopes
         self.recipe, self.recipe_kept = recipe, set()
+        self.weights: dict = {}  # the vars that hold weights -> their names (recipe.weight_names)
         self.leaves: dict[int, str] = {}  # id of an argument leaf's value -> its name, during one call
         self.read_outside: dict[str, None] = {}  # the names of those that equations outside any scope read
         self.nested: list[str] = []  # the loops, checkpoints, ... being evaluated (for recipe.quantized)
@@ -241,7 +246,7 @@ class Interpreter:
         if not self.keep_fp32 or path is None:
             return False
         if path:
-            return kept("/".join(path), self.keep_fp32) is not None
+            return kept(layer_of(path), self.keep_fp32) is not None
         if eqn.primitive.name in _LOOKED_INTO or not self.leaves:
             return False
         names = [self.leaves[id(x)] for x in invals if id(x) in self.leaves]
@@ -467,35 +472,49 @@ def check_arguments(fn, rules) -> None:
 
 
 def autocast(fn, compute: str, output: str, rules: AutocastRules = DEFAULT_RULES,
-             keep_fp32: tuple[str, ...] = (), training_recipe=None):  # fmt: skip
+             keep_fp32: tuple[str, ...] = (), training_recipe=None, on_record=None):  # fmt: skip
     """``fn`` rewritten so each primitive runs under ``rules`` (see the module docstring), the
-    equations under the ``keep_fp32`` scopes in float32, dense matmuls as ``training_recipe`` says.
+    equations under the ``keep_fp32`` layers in float32, dense matmuls as ``training_recipe`` says;
+    ``on_record(RecipeLayers)`` is called at each trace under a recipe, which warns when it quantizes
+    no layer.
 
     The result traces ``fn`` with ``jax.make_jaxpr`` on every call (inside ``jit`` that is once
     per compilation), evaluates the jaxpr with the rules, and casts each output back to the dtype
-    ``fn`` returns, so a float32 loss stays float32.
+    ``fn`` returns, so a float32 loss stays float32. Argument leaves that are not arrays (an Equinox
+    module's ``jax.nn.relu``) are passed to ``fn`` as they are; NNX and Equinox modules among the
+    arguments are named by their paths (``modules.py``).
     """
     check_arguments(fn, rules)
     interpreter = Interpreter(compute, output, rules, keep_fp32, training_recipe)
 
     @functools.wraps(fn)
     def autocast_fn(*args, **kwargs):
-        leaves, tree = jax.tree.flatten((args, kwargs))
+        tree = (args, kwargs)
+        leaves, treedef = jax.tree.flatten(tree)
+        arrays = [is_array(x) for x in leaves]
+        dynamic = [x for x, a in zip(leaves, arrays) if a]
 
         def flat_fn(*xs):
-            a, k = jax.tree.unflatten(tree, xs)
-            return fn(*a, **k)
+            it = iter(xs)
+            a, k = jax.tree.unflatten(treedef, [next(it) if arr else x for x, arr in zip(leaves, arrays)])
+            with module_scopes((a, k), skip=2):
+                return fn(*a, **k)
 
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
-        if training_recipe is not None:
-            interpreter.recipe_kept = recipe.kept_layers(closed.jaxpr, training_recipe.keep)
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+        names = [n for n, a in zip(leaf_names(tree, skip=2), arrays) if a]
+        if training_recipe is not None:  # weights: a model's leaves, else every argument's
+            inside = [m for m, a in zip(model_leaves(tree), arrays) if a]
+            held = {v: n for v, n, m in zip(closed.jaxpr.invars, names, inside) if m or not any(inside)}
+            weights = interpreter.weights = recipe.weight_names(closed.jaxpr, held)
+            record, interpreter.recipe_kept = recipe.record(closed.jaxpr, training_recipe, weights)
+            if on_record is not None:
+                on_record(record)
+            record.warn_if_none("JAX", "mp.autocast")
         if keep_fp32:  # each leaf named within its argument, as the doctor names params
-            paths = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
-            named = zip(leaves, (leaf_name(path[2:]) for path, _ in paths))
-            interpreter.leaves = {id(x): name for x, name in named if name}
+            interpreter.leaves = {id(x): name for x, name in zip(dynamic, names) if name}
             interpreter.read_outside = {}
         try:
-            outs = interpreter.eval_closed(closed, leaves)
+            outs = interpreter.eval_closed(closed, dynamic)
         finally:
             interpreter.leaves = {}
         if keep_fp32:

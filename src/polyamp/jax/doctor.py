@@ -5,7 +5,10 @@ scalar loss (required: JAX has no module that knows its loss); ``batch`` is any 
 ``optimizer`` is an optax ``GradientTransformation`` (its state ``optimizer.init(params)``) or a pair
 ``(optimizer, opt_state)`` to step from a live state.
 
-Layers are ``jax.named_scope`` paths. ``loss_fn`` is traced to a jaxpr (``jax.make_jaxpr``); each equation's
+The model may also be a Flax NNX or an Equinox module (its leaves that are not arrays pass through;
+the optimizer steps its array leaves). Layers are the module paths of NNX / Equinox modules
+(``modules.py``: ``blocks.0.attn``), else ``jax.named_scope`` paths (``scopes.layer_of``).
+``loss_fn`` is traced to a jaxpr (``jax.make_jaxpr``); each equation's
 path is the ``Scope`` entries of its ``source_info.name_stack`` joined by "/" (``block1/ff1``), prefixed by
 those of the equation that holds its sub-jaxpr. ``jit``, ``closed_call`` and ``remat`` sub-jaxprs are
 inlined; any other equation (``scan``, ``while``, ``cond``, a ``custom_jvp``/``custom_vjp`` function such as
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +59,8 @@ from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
 from .binning import _F64, _histogram, _layout, _stats, histogram, ratio_histogram
-from .scopes import leaf_name, name_scopes
+from .modules import leaf_names, model_leaves, module_scopes
+from .scopes import layer_of, name_scopes
 
 _INLINED = {"jit", "pjit", "closed_call", "core_call", "call", "remat2", "checkpoint"}
 _PROGRAMS: collections.OrderedDict = collections.OrderedDict()  # key -> _Program, least recent first
@@ -65,17 +70,18 @@ _CACHE_SIZE = 8
 def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measure=()) -> list[Observation]:
     """Observe ``steps`` float32 training steps of the params pytree ``model`` on ``batch``; nothing
     passed in is changed (module docstring). ``measure``: ``blocks.Target``s."""
-    leaves, treedef, paths = _check_params(model)
+    params = _check_params(model)
+    leaves = params.leaves
     batch_leaves = _check(batch, loss_fn, steps)
     optimizer, live, opt_state = _check_optimizer(optimizer)
-    program = _program(loss_fn, optimizer, treedef, leaves, paths, batch, batch_leaves)
+    program = _program(loss_fn, optimizer, params, batch, batch_leaves)
     if live:
-        program.check_state(opt_state, model)
+        program.check_state(opt_state, params.arrays)
     floating = [leaf for leaf, f in zip(leaves, program.floating) if f]
     others = [leaf for leaf, f in zip(leaves, program.floating) if not f]
     runs = steps if optimizer is not None else 1
     if runs > 1 and not live:
-        opt_state = optimizer.init(model)  # later steps take the state a step returns: one signature
+        opt_state = optimizer.init(params.arrays)  # later steps take the state a step returns: one signature
     found, parts = [], collections.defaultdict(lambda: collections.defaultdict(list))
     for step in range(runs):
         out = program.run(floating, others, batch_leaves, opt_state, step + 1 < runs, bool(measure))
@@ -182,24 +188,59 @@ def _blocked(x, block: tuple[int, ...]):
     return x3.reshape(tiles), (2, 4)
 
 
-def _check_params(model):
+class _Params(NamedTuple):
+    """The model's array leaves (``leaves``, named ``names``), ``arrays`` the model with None in place of
+    its other leaves (what the optimizer steps; ``treedef`` its structure), ``rebuild(leaves)`` the model
+    from new array leaves, and ``key`` what identifies the other leaves (for the program cache)."""
+
+    leaves: list
+    treedef: Any
+    names: list[str]
+    arrays: Any
+    rebuild: Callable
+    key: tuple
+
+
+def _check_params(model) -> _Params:
+    """The model's leaves: jax arrays; inside an Equinox or NNX module, also other values (functions such
+    as ``jax.nn.relu``), which pass through untouched as ``eqx.partition`` leaves them."""
     try:
-        with_paths, treedef = jax.tree_util.tree_flatten_with_path(model)
+        with_paths, full = jax.tree_util.tree_flatten_with_path(model)
     except Exception as err:  # a pytree node whose flatten fails
         raise PolyampError(f"model: expected the params pytree of jax arrays, got {_type(model)}: "
                            f"{err}") from err  # fmt: skip
-    leaves = [leaf for _, leaf in with_paths]
-    for leaf in leaves:
-        if not isinstance(leaf, jax.Array):
+    every = [leaf for _, leaf in with_paths]
+    for leaf, inside in zip(every, model_leaves(model)):
+        if not isinstance(leaf, jax.Array) and (isinstance(leaf, np.ndarray) or not inside):
             numpy = isinstance(leaf, np.ndarray)
             hint = "; convert it with jax.tree.map(jnp.asarray, params)" if numpy else ""
             raise PolyampError(f"model: expected the params pytree of jax arrays (JAX's model is its "
-                               f"params), got a leaf {_type(leaf)}{hint}")  # fmt: skip
+                               f"params) or a Flax NNX / Equinox module, got a leaf "
+                               f"{_type(leaf)}{hint}")  # fmt: skip
+    mask = [isinstance(leaf, jax.Array) for leaf in every]
+    leaves = [leaf for leaf, m in zip(every, mask) if m]
     if not any(jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves):
         which = "no leaves" if not leaves else "no floating-point leaf"
         raise PolyampError(f"model (params {_type(model)}) has {which}; the doctor observes the weights "
                            "it trains")  # fmt: skip
-    return leaves, treedef, [leaf_name(path) or "params" for path, _ in with_paths]
+    others = [leaf for leaf, m in zip(every, mask) if not m]
+    arrays = jax.tree.unflatten(full, [x if m else None for x, m in zip(every, mask)]) if others else model
+
+    def rebuild(xs):
+        it = iter(xs)
+        return jax.tree.unflatten(full, [next(it) if m else x for x, m in zip(every, mask)])
+
+    names = [n or "params" for n, m in zip(leaf_names(model), mask) if m]
+    key = (full, tuple(x if _hashable(x) else id(x) for x in others))
+    return _Params(leaves, jax.tree.structure(arrays), names, arrays, rebuild, key)
+
+
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _check(batch, loss_fn, steps) -> list:
@@ -232,13 +273,13 @@ def _check_optimizer(optimizer):
                        f"opt_state) or None, got {_type(optimizer)}")  # fmt: skip
 
 
-def _program(loss_fn, optimizer, treedef, leaves, paths, batch, batch_leaves) -> _Program:
+def _program(loss_fn, optimizer, params: _Params, batch, batch_leaves) -> _Program:
     """The cached _Program for these arguments' function, optimizer, structures and types."""
-    key = (loss_fn, optimizer, treedef, jax.tree.structure(batch),
-           tuple(jax.typeof(x) for x in (*leaves, *batch_leaves)))  # fmt: skip
+    key = (loss_fn, optimizer, params.key, jax.tree.structure(batch),
+           tuple(jax.typeof(x) for x in (*params.leaves, *batch_leaves)))  # fmt: skip
     program = _PROGRAMS.get(key)
     if program is None:
-        program = _Program(loss_fn, optimizer, treedef, leaves, paths, key[3], batch_leaves)
+        program = _Program(loss_fn, optimizer, params, key[3], batch_leaves)
         _PROGRAMS[key] = program
         while len(_PROGRAMS) > _CACHE_SIZE:
             _PROGRAMS.popitem(last=False)
@@ -276,7 +317,7 @@ def _walk(jaxpr, consts, args, scope: tuple[str, ...], visit) -> list:
         elif isinstance(sub, jcore.Jaxpr):
             outs = _walk(sub, (), invals, path, visit)
         else:
-            outs = visit(eqn, invals, "/".join(path))
+            outs = visit(eqn, invals, layer_of(path))
         for var, val in zip(eqn.outvars, outs):
             if not isinstance(var, jcore.DropVar):
                 env[var] = val
@@ -297,13 +338,16 @@ def _is_float(dtype) -> bool:
 class _Program:
     """``loss_fn`` traced and analysed once, and its tapped step jitted (module docstring)."""
 
-    def __init__(self, loss_fn, optimizer, treedef, leaves, paths, batch_tree, batch_leaves):
-        self.optimizer, self.treedef, self.batch_tree = optimizer, treedef, batch_tree
+    def __init__(self, loss_fn, optimizer, params: _Params, batch_tree, batch_leaves):
+        self.optimizer, self.treedef, self.batch_tree = optimizer, params.treedef, batch_tree
+        leaves, paths = params.leaves, params.names
         self.floating = [_is_float(leaf.dtype) for leaf in leaves]
         n = len(leaves)
 
         def flat_loss(*xs):
-            return loss_fn(jax.tree.unflatten(treedef, xs[:n]), jax.tree.unflatten(batch_tree, xs[n:]))
+            model = params.rebuild(xs[:n])
+            with module_scopes(model):  # NNX / Equinox modules named by their paths
+                return loss_fn(model, jax.tree.unflatten(batch_tree, xs[n:]))
 
         try:
             self.closed, out_shape = jax.make_jaxpr(flat_loss, return_shape=True)(*leaves, *batch_leaves)

@@ -2,9 +2,10 @@
 an autocast function.
 
 ``mp.autocast(fn)`` of a ``MixedPrecision`` made from a recipe runs ``fn`` through the autocast
-interpreter (``autocast.py``), which hands each dense matmul ``x @ w`` — a ``dot_general`` contracting
-the last axis of ``x`` with the first of a 2-d ``w``, no batch dimensions (``jnp.matmul`` / ``jnp.dot``
-of activations and a weight matrix, as dense layers write it) — to :func:`dot`: the three GEMMs of
+interpreter (``autocast.py``), which hands each dense matmul (:func:`dense_form`: a ``dot_general``
+without batch dimensions contracting trailing axes of the activations with a weight: ``x @ w``, ``x @
+w.T``, Equinox's vmapped ``W @ x``, an NNX ``LinearGeneral`` kernel of more axes; transposed and
+flattened to ``x [..., K] @ w [K, N]`` by :func:`as_dense`) to :func:`dot`: the three GEMMs of
 the recipe, as ``polyamp/torch/recipe.py`` describes, in a ``jax.custom_vjp``:
 
     forward        y  = Qf(x) @ Qf(w)           blocks along K (x's last axis, w's first)
@@ -21,9 +22,12 @@ float32 butterfly; ``M`` zero padded to a multiple of 16).
 
 Convolutions (``conv_general_dilated`` without batch groups) run as the implicit GEMMs they are, by
 ``recipe_conv.py``'s :func:`~polyamp.jax.recipe_conv.conv`; batched matmuls (attention's scores and
-values) run as the bf16 policy does. A layer is its ``jax.named_scope`` path; the keep list's ``first``
-/ ``last`` are the scope paths of the first and last quantizable layer, dense matmul or convolution, in
-trace order, other entries ``fnmatch`` patterns over the paths.
+values) run as the bf16 policy does. A weight is a var of :func:`weight_names` (a leaf of an NNX /
+Equinox module among the arguments, else any argument leaf, through casts and reshapes). A layer is
+:func:`layer_name`: its module path or ``jax.named_scope`` path (``scopes.layer_of``), outside any scope
+its weight's name; the keep list's ``first`` / ``last`` are the first and last quantizable layer, dense
+matmul or convolution, in trace order, other entries ``fnmatch`` patterns over the names, and
+:func:`record` writes the ``RecipeLayers`` that ``mp.recipe_layers`` shows.
 
 Quantization is JAX ops, bit-identical to the numpy core (``tests/test_jax_recipes.py``): per-tensor
 scales are TE's float32 quotient ``Fmax / amax`` (``recipes.current_scale``; the quotient of two
@@ -41,22 +45,24 @@ sequence), and the amaxes handed back as the scales' cotangents (``recipe_state.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jcore
 
 from ..errors import PolyampError
 from ..numerics import blocks as _core_blocks
 from ..numerics import get_format
 from ..numerics import hadamard as _hadamard
 from ..numerics.rounding import _MODE
-from ..recipes import Recipe
+from ..recipe_layers import RecipeLayers
+from ..recipes import Recipe, recipe_spec
 from .quantize import _Grid, _key, _quantize, blocks_keyed
 from .recipe_state import OPERANDS, Run, active, calls_per_matmul, keeps_state, scale_from_amax, seed_key
-from .scopes import name_scopes
+from .scopes import layer_of, name_scopes
 
 _FLOAT8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 _F32 = jnp.float32
@@ -132,51 +138,179 @@ def hadamard_tiles(x, axis: int = -1):
     return (t * np.float32(0.25)).reshape(v.shape)
 
 
-def eligible(eqn) -> bool:
-    """A dense matmul (module docstring) or a convolution with ``batch_group_count == 1`` (any feature
-    groups), of floating operands narrower than float64."""
-    name = eqn.primitive.name
-    if name not in ("dot_general", "conv_general_dilated"):
-        return False
+# structural ops through which a weight stays a weight (its cast, transpose or reshape)
+_CARRY = frozenset({"convert_element_type", "transpose", "reshape", "copy", "squeeze", "expand_dims",
+                    "reduce_precision"})  # fmt: skip
+# the primitives of the bodies a stateful recipe cannot reach, as the user wrote them
+_WRITTEN_AS = {"remat2": "jax.checkpoint (jax.remat)", "checkpoint": "jax.checkpoint (jax.remat)",
+               "scan": "scan", "while": "while loop (lax.while_loop / fori_loop)",
+               "cond": "lax.cond / lax.switch", "custom_jvp_call": "jax.custom_jvp function",
+               "custom_vjp_call": "jax.custom_vjp function"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Dense:
+    """How a ``dot_general`` runs as a dense layer's ``x [..., K] @ w [K, N]``: ``weight``, the operand
+    (0: lhs, 1: rhs) that is the weight; ``k``, the number of trailing axes of the activations it
+    contracts (flattened into K); ``order``, the permutation of ``w``'s axes to (contracted, in the
+    activations' order, then free; flattened into K and N)."""
+
+    weight: int
+    k: int
+    order: tuple[int, ...]
+
+
+def weight_names(jaxpr, names: dict) -> dict:
+    """``names`` (the jaxpr's input vars that hold weights -> their names) extended to every var of
+    ``jaxpr`` and of its sub-jaxprs that holds one: through casts, transposes and reshapes, and into the
+    sub-jaxprs whose inputs are the equation's (``jit``, ``checkpoint``, ``custom_jvp``, ``scan``, ...)."""
+    out = dict(names)
+    _mark(jaxpr, out)
+    return out
+
+
+def _mark(jaxpr, names: dict) -> None:
+    for eqn in jaxpr.eqns:
+        src = [None if isinstance(v, jcore.Literal) else names.get(v) for v in eqn.invars]
+        if eqn.primitive.name in _CARRY and src and src[0] is not None:
+            names.update((v, src[0]) for v in eqn.outvars if not isinstance(v, jcore.DropVar))
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            ins = src if len(sub.invars) == len(src) else src[1:] if len(sub.invars) == len(src) - 1 else ()
+            names.update((v, n) for v, n in zip(sub.invars, ins) if n is not None)
+            _mark(sub, names)
+
+
+def _floating(*avals) -> bool:
+    return all(jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != jnp.float64 for a in avals)
+
+
+def dense_form(eqn, weights=()) -> Dense | None:
+    """A ``dot_general`` without batch dimensions of floating operands narrower than float64 that is a
+    dense layer's matmul, or None. Today's form ``x @ w`` (``x``'s last axis with the first of a 2-d
+    ``w``) always is; otherwise one operand must be a weight (a var in ``weights``; the rhs preferred
+    when both are), contracted on any of its axes with trailing axes of the other: ``x @ w.T``, ``w @
+    x`` (Equinox's vmapped ``Linear``), an NNX ``LinearGeneral`` / einsum kernel of more axes."""
+    if eqn.primitive.name != "dot_general":
+        return None
     lhs, rhs = (v.aval for v in eqn.invars)
-    floating = all(jnp.issubdtype(a.dtype, jnp.floating) and a.dtype != jnp.float64 for a in (lhs, rhs))
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    if lb or rb or not _floating(lhs, rhs):
+        return None
+    lc, rc = tuple(lc), tuple(rc)
+    if rhs.ndim == 2 and rc == (0,) and lhs.ndim >= 1 and lc == (lhs.ndim - 1,):
+        return Dense(1, 1, (0, 1))
+    for w in (1, 0):
+        a_aval, w_aval = (lhs, rhs) if w == 1 else (rhs, lhs)
+        ac, wc = (lc, rc) if w == 1 else (rc, lc)
+        k = len(ac)
+        if not (0 < k < w_aval.ndim and ac == tuple(range(a_aval.ndim - k, a_aval.ndim))):
+            continue
+        var, other = eqn.invars[w], eqn.invars[1 - w]
+        if var in weights and (w == 1 or other not in weights):
+            return Dense(w, k, (*wc, *(d for d in range(w_aval.ndim) if d not in wc)))
+    return None
+
+
+def unsupported(eqn, weights=()) -> str | None:
+    """Why a matmul of a weight (a var in ``weights``) is not quantized, in the record's words, or None
+    when ``eqn`` is no such matmul or is quantized."""
+    name = eqn.primitive.name
+    if name not in ("dot_general", "conv_general_dilated") or eligible(eqn, weights):
+        return None
+    if not any(v in weights for v in eqn.invars if not isinstance(v, jcore.Literal)):
+        return None
+    avals = [v.aval for v in eqn.invars]
+    if not _floating(*avals):
+        dtypes = "/".join(str(a.dtype) for a in avals)
+        return f"unsupported: {name}: {dtypes} operands (recipes take floats narrower than float64)"
     if name == "conv_general_dilated":
-        return floating and eqn.params["batch_group_count"] == 1
-    (contract, batch) = eqn.params["dimension_numbers"]
-    dense = tuple(map(tuple, contract)) == ((lhs.ndim - 1,), (0,)) and tuple(map(tuple, batch)) == ((), ())
-    return floating and dense and rhs.ndim == 2 and lhs.ndim >= 1
+        return (f"unsupported: conv_general_dilated: batch_group_count={eqn.params['batch_group_count']} "
+                "has no recipe GEMM; it computes in the compute dtype")  # fmt: skip
+    return (f"unsupported: dot_general: dimension numbers {eqn.params['dimension_numbers']} are no dense "
+            "layer's x @ w; it computes in the compute dtype")  # fmt: skip
+
+
+def eligible(eqn, weights=()) -> bool:
+    """A dense matmul (:func:`dense_form`) or a convolution with ``batch_group_count == 1`` (any feature
+    groups), of floating operands narrower than float64."""
+    if eqn.primitive.name == "conv_general_dilated":
+        return _floating(*(v.aval for v in eqn.invars)) and eqn.params["batch_group_count"] == 1
+    return dense_form(eqn, weights) is not None
+
+
+def layer_name(eqn, scope: tuple[str, ...], weights=None) -> str:
+    """The layer of a matmul or convolution: its scope's (``scopes.layer_of``), or outside any scope
+    the name of its weight (``weights``: var -> name), else ""."""
+    layer = layer_of(scope)
+    if layer or not weights:
+        return layer
+    if eqn.primitive.name == "conv_general_dilated":
+        held = eqn.invars[1:]  # the kernel
+    else:
+        form = dense_form(eqn, weights)
+        held = [eqn.invars[form.weight]] if form is not None else eqn.invars
+    return next((weights[v] for v in held if not isinstance(v, jcore.Literal) and v in weights), "")
+
+
+def as_dense(form: Dense, gemms, x, w, *extra):
+    """``gemms(x2, w2, *extra)`` (a ``[..., K] @ [K, N]`` matmul) on the operands of ``form`` reshaped
+    to it, the result back in the ``dot_general``'s layout; the plain ``x @ w`` unchanged."""
+    if form == Dense(1, 1, (0, 1)) and w.ndim == 2:
+        return gemms(x, w, *extra)
+    lead = x.shape[: x.ndim - form.k]
+    wt = lax.transpose(w, form.order) if form.order != tuple(range(w.ndim)) else w
+    free = wt.shape[form.k :]
+    k, n = int(np.prod(wt.shape[: form.k])), int(np.prod(free))
+    y = gemms(x.reshape(*lead, k), wt.reshape(k, n), *extra).reshape(*lead, *free)
+    if form.weight == 0:  # the dot_general puts w's free axes first
+        y = lax.transpose(y, (*range(len(lead), y.ndim), *range(len(lead))))
+    return y
 
 
 def quantized(interpreter, eqn, invals, scope) -> list | None:
     """The outputs of ``eqn`` run as the interpreter's recipe says, or None where it leaves ``eqn`` to the
-    policy: no recipe, not a dense matmul or convolution, a kept scope, or a transpose a custom VJP
+    policy: no recipe, not a dense matmul or convolution, a kept layer, or a transpose a custom VJP
     traces (no scope)."""
     r = interpreter.recipe
-    if r is None or scope is None or not eligible(eqn) or "/".join(scope) in interpreter.recipe_kept:
+    weights = interpreter.weights
+    if r is None or scope is None or not eligible(eqn, weights):
         return None
-    gemms = dot
+    path = layer_name(eqn, scope, weights)
+    if path in interpreter.recipe_kept:
+        return None
     if eqn.primitive.name == "conv_general_dilated":
         from .recipe_conv import conv  # it builds on this module
 
         def gemms(*args, **kwargs):
             return conv(*args[:4], eqn.params, *args[4:], **kwargs)
 
+        def call(fn, *operands):
+            return fn(*operands)
+    else:
+        form = dense_form(eqn, weights)
+        gemms = dot
+
+        def call(fn, lhs, rhs, *extra):
+            x, w = (lhs, rhs) if form.weight == 1 else (rhs, lhs)
+            return as_dense(form, fn, x, w, *extra)
+
     if not keeps_state(r):
-        return [gemms(r, interpreter.compute, interpreter.output, _F32)(*invals)]
-    path = "/".join(scope)
+        return [call(gemms(r, interpreter.compute, interpreter.output, _F32), *invals)]
     run = active()
     if run is None:  # evaluation: the forward without state, no gradient
         fn = gemms(without_state(r), interpreter.compute, interpreter.output, _F32, trainable=False)
-        return [fn(*invals)]
+        return [call(fn, *invals)]
     if interpreter.nested:
+        where = _WRITTEN_AS.get(interpreter.nested[-1], interpreter.nested[-1])
         raise PolyampError(
             f"the {r.name!r} recipe keeps state, which polyamp threads only through dense matmuls and "
-            "convolutions outside loops, conditionals, checkpoints and custom derivatives; scope "
-            f"{path!r} is inside a {interpreter.nested[-1]}: keep it (keep=...) or use a recipe without state"
+            "convolutions outside loops, conditionals, checkpoints and custom derivatives; layer "
+            f"{path!r} is inside a {where}: keep it (keep=...) or use a recipe without state"
         )
     j, layer = run.matmul(path)
     scales = [run.scale(layer, op) for op in OPERANDS]
-    return [gemms(r, interpreter.compute, interpreter.output, _F32, run, j)(*invals, *scales, run.calls)]
+    fn = gemms(r, interpreter.compute, interpreter.output, _F32, run, j)
+    return [call(fn, *invals, *scales, run.calls)]
 
 
 def without_state(recipe: Recipe) -> Recipe:
@@ -264,34 +398,56 @@ def refuse_gradient(recipe: Recipe):
     )
 
 
-def kept_layers(jaxpr, keep: tuple[str, ...]) -> set[str]:
-    """The scope paths (joined by "/") whose dense matmuls and convolutions the keep list keeps;
+def kept_layers(jaxpr, keep: tuple[str, ...], weights=None) -> set[str]:
+    """The layers (:func:`layer_name`) whose dense matmuls and convolutions the keep list keeps;
     PolyampError for a pattern that matches none."""
-    paths = list(dict.fromkeys(_layer_paths(jaxpr, ())))
-    kept: set[str] = set()
+    paths = dict.fromkeys(p for p, why in _layers(jaxpr, (), weights or {}) if why is None)
+    return _keep(list(paths), keep)[0]
+
+
+def record(jaxpr, recipe: Recipe, weights=None) -> tuple[RecipeLayers, set[str]]:
+    """The ``RecipeLayers`` of ``jaxpr`` under ``recipe`` (every dense matmul and convolution, by layer:
+    quantized, kept and why; matmuls of a weight the recipe cannot quantize, unsupported and why) and
+    the set of kept layers; PolyampError for a keep pattern that matches none."""
+    found: dict[str, str | None] = {}
+    for path, why in _layers(jaxpr, (), weights or {}):
+        if found.get(path, "") is not None:  # a quantizable matmul wins over an unsupported one
+            found[path] = why
+    eligible_paths = [p for p, why in found.items() if why is None]
+    kept, reasons = _keep(eligible_paths, recipe.keep)
+    out = RecipeLayers(recipe_spec(recipe))
+    for path, why in found.items():
+        out.add(path, reasons.get(path) if why is None else why)
+    return out, kept
+
+
+def _keep(paths: list[str], keep: tuple[str, ...]) -> tuple[set[str], dict[str, str]]:
+    """The kept layers among ``paths`` (in trace order) and, for each, the first entry keeping it."""
+    reasons: dict[str, str] = {}
     for entry in keep:
         if entry in ("first", "last"):
-            if paths:
-                kept.add(paths[0] if entry == "first" else paths[-1])
-            continue
-        found = [p for p in paths if fnmatch.fnmatchcase(p, entry)]
-        if not found:
-            scopes = ", ".join(map(repr, paths[:20])) or "none"
-            raise PolyampError(f"the recipe's keep entry {entry!r} matches no dense matmul's or "
-                               f"convolution's scope; their scopes: {scopes}")  # fmt: skip
-        kept.update(found)
-    return kept
+            found = paths[:1] if entry == "first" else paths[-1:]
+        else:
+            found = [p for p in paths if fnmatch.fnmatchcase(p, entry)]
+            if not found:
+                scopes = ", ".join(map(repr, paths[:20])) or "none"
+                raise PolyampError(f"the recipe's keep entry {entry!r} matches no dense matmul's or "
+                                   f"convolution's scope; their scopes: {scopes}")  # fmt: skip
+        for p in found:
+            reasons.setdefault(p, f"keep {entry!r}")
+    return set(reasons), reasons
 
 
-def _layer_paths(jaxpr, scope: tuple[str, ...]):
-    """The scope path of each dense matmul and convolution (:func:`eligible`), in trace order,
-    sub-jaxprs included."""
+def _layers(jaxpr, scope: tuple[str, ...], weights):
+    """``(layer, None)`` for each dense matmul and convolution (:func:`eligible`), ``(layer, reason)``
+    for each matmul of a weight that is not, in trace order, sub-jaxprs included."""
     for eqn in jaxpr.eqns:
         path = scope + name_scopes(eqn)
-        if eligible(eqn):
-            yield "/".join(path)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _layer_paths(inner, path)
+        if eligible(eqn, weights):
+            yield layer_name(eqn, path, weights), None
+        else:
+            why = unsupported(eqn, weights)
+            if why is not None:
+                yield layer_name(eqn, path, weights), why
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            yield from _layers(sub, path, weights)
