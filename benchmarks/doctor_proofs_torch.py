@@ -178,7 +178,8 @@ def overflow(quick: bool = False) -> dict:
     data = batches(steps, batch, d_in, 1, mlp([d_in, 32, classes], seed=2), classes=True)
     loss_fn = nn.functional.cross_entropy
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    report = polyamp.doctor(model, data[0], loss_fn, optimizer=opt)
+    # the proofs run fp16 on purpose, on a CPU too: the recommendation as where fp16 is fast
+    report = polyamp.doctor(model, data[0], loss_fn, optimizer=opt, device="cuda")
     check = report.recommendation.checks["fp16-mixed"]
     first = check.findings[0] if check.findings else None
     out_row = next(r for r in report.rows if (r.layer, r.kind) == ("big", "output"))
@@ -244,7 +245,8 @@ def loss_scale(quick: bool = False) -> dict:
 
     model = mlp(sizes, seed=0)
     data = data_at(0)
-    report = polyamp.doctor(model, data[0], loss_fn, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3))
+    report = polyamp.doctor(model, data[0], loss_fn, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                            device="cuda")  # fp16's recommendation, wherever the proof runs  # fmt: skip
     grads = [r.amax for r in report.rows if r.kind in ("grad_output", "grad_weight")]
     rec = report.initial_scale
     runs = {}

@@ -150,3 +150,40 @@ def test_bad_compare_option_exits_2_from_the_command_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "polyamp", "compare", "--steps", "0", "--frameworks",
                           "none-such", "--out", str(tmp_path)], capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 2 and "got '0'; accepted: a whole number of steps >= 1" in out.stderr
+
+
+HF_MAKE = """
+import torch
+import transformers
+
+
+def make():
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=16, vocab_size=64,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}, None, torch.optim.AdamW(model.parameters(), 1e-3)
+"""
+
+
+def test_doctor_and_tune_load_a_file_whose_make_returns_a_transformers_model(tmp_path, capsys):
+    """``FILE.py:make`` returning a Hugging Face GPT-2 (a dict batch, the loss from the model)."""
+    from frameworks import require
+
+    require("transformers")
+    (tmp_path / "gpt2.py").write_text(HF_MAKE)
+    target = f"{tmp_path / 'gpt2.py'}:make"
+    doctor = ["doctor", target, "--no-plot", "--json", "--formats", "fp16,bf16", "--out", str(tmp_path / "d")]
+    assert main(doctor) == 0
+    report = json.loads(capsys.readouterr().out)
+    layers = {r["layer"] for r in report["rows"]}
+    assert report["framework"] == "torch" and report["model"] == target
+    assert {"transformer.h.0.attn.c_attn", "transformer.h.1.mlp.c_proj", "lm_head"} <= layers
+    assert main(["tune", target, "--budget", "3", "--parity-steps", "2", "--knobs", "attention", "--json",
+                 "--out", str(tmp_path / "tune")]) == 0  # fmt: skip
+    (tuned,) = json.loads(capsys.readouterr().out)
+    assert tuned["knobs"]["attention"]["values"] == ["default", "math", "eager"]
+    assert tuned["name"] == target and tuned["best"]["policy"] in ("float32", "bf16-mixed")
+    assert (tmp_path / "tune" / "torch-gpt2.json").exists()

@@ -44,7 +44,8 @@ def test_doctor_is_callable_and_the_package_stays_importable():
 
 def test_a_well_scaled_model_fits_fp16_and_the_recommendation_applies_in_one_line():
     m = mlp()
-    report = diagnose(m, batch(), nn.functional.cross_entropy, optimizer=torch.optim.Adam(m.parameters()))
+    report = diagnose(m, batch(), nn.functional.cross_entropy, optimizer=torch.optim.Adam(m.parameters()),
+                      device="cuda")  # where fp16 runs fast: the choice rests on the numerics  # fmt: skip
     assert report.policy == "fp16-mixed" and report.keep_fp32 == ()
     largest = max(r.amax for r in report.rows if r.kind in ("grad_output", "grad_weight"))
     s = report.initial_scale
@@ -54,9 +55,94 @@ def test_a_well_scaled_model_fits_fp16_and_the_recommendation_applies_in_one_lin
     assert report.one_liner() in report.summary() and f"2.0**{int(math.log2(s))}" in report.one_liner()
 
 
+def test_fp16_is_not_recommended_where_torch_warns_it_is_slow_and_the_report_says_why():
+    m = mlp()
+    on_cpu = diagnose(m, batch(), nn.functional.cross_entropy)  # the weights are on the CPU
+    on_gpu = diagnose(m, batch(), nn.functional.cross_entropy, device="cuda:0")
+    assert on_gpu.policy == "fp16-mixed" and on_gpu.recommendation.fp16_slow is None
+    assert on_cpu.device == "cpu" and on_cpu.policy == "bf16-mixed" and on_cpu.loss_scale is None
+    assert on_cpu.recommendation.checks["fp16-mixed"].feasible  # the numerics alone would pick fp16
+    assert "torch warns at fp16 autocast on a CPU" in on_cpu.recommendation.reason
+    assert "also fits: fp16-mixed" in on_cpu.summary() and "not chosen on cpu" in on_cpu.summary()
+    assert on_cpu.one_liner() == "mp = polyamp.MixedPrecision('bf16-mixed')"
+    with pytest.raises(pa.PolyampError, match="device must name where the training runs"):
+        diagnose(m, batch(), nn.functional.cross_entropy, device=3)
+
+
+class ZeroInitResidual(nn.Module):
+    """A ResNet basic block whose last BatchNorm starts at weight 0 (timm's ``zero_init_last``): the
+    block starts as the identity, and the gradients into its second convolution are all zero."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        nn.init.zeros_(self.bn2.weight)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))))
+
+
+RESNET = """
+import torch
+from torch import nn
+
+from test_doctor_api import ZeroInitResidual
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), ZeroInitResidual(8), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4))
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+    return model, (x, y), nn.functional.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.1)
+"""
+
+
+def test_all_zero_gradients_of_a_zero_initialised_batchnorm_write_a_report(tmp_path, capsys):
+    """Regression: a layer whose gradients are all zero made ``any_flush`` a numpy bool, and
+    report.write (and ``polyamp doctor``) died on ``Object of type bool is not JSON serializable``."""
+    (tmp_path / "resnet.py").write_text(RESNET)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        model, data, loss_fn, opt = __import__("resnet").make()
+    finally:
+        sys.path.pop(0)
+        sys.modules.pop("resnet", None)
+    report = diagnose(model, data, loss_fn, optimizer=opt)
+    zero = next(r for r in report.rows if (r.layer, r.kind) == ("1.conv2", "grad_weight"))
+    assert zero.amax == 0 and zero.zeros == zero.total  # the case that crashed
+    assert type(zero.formats["fp16"]["any_flush"]) is bool
+    data = json.loads(report.write(tmp_path / "api", plot=False)["json"].read_text())
+    rows = {(r["layer"], r["kind"]) for r in data["rows"]}
+    assert rows >= {("1.conv2", "grad_weight"), ("1.bn2", "output")}
+    out = tmp_path / "cli"
+    assert main(["doctor", f"{tmp_path / 'resnet.py'}:make", "--out", str(out), "--no-plot", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rows"] == json.loads((out / "report.json").read_text())["rows"]
+    assert printed["device"] == "cpu" and printed["recommendation"]["policy"] == "bf16-mixed"
+
+
+def test_report_json_takes_numpy_scalars_in_its_records(tmp_path):
+    """The JSON writer turns numpy scalars (a front end's float32 extremes, a numpy bool) into Python's."""
+    import dataclasses
+
+    import numpy as np
+
+    report = diagnose(mlp(), batch(), nn.functional.cross_entropy)
+    row = report.rows[0]
+    fp16 = {**row.formats["fp16"], "any_flush": np.bool_(True), "flush": np.float32(0.5)}
+    fp16["bins"] = np.arange(2)
+    odd = dataclasses.replace(row, amax=np.float32(2.5), formats={**row.formats, "fp16": fp16})
+    path = dataclasses.replace(report, rows=(odd,)).write(tmp_path, plot=False)["json"]
+    got = json.loads(path.read_text())["rows"][0]
+    assert got["amax"] == 2.5 and got["formats"]["fp16"]["bins"] == [0, 1]
+    assert (got["formats"]["fp16"]["any_flush"], got["formats"]["fp16"]["flush"]) == (True, 0.5)
+
+
 def test_an_overflowing_layer_is_named_first_and_kept_in_fp32():
     m = mlp(scale_first=1e5)
-    report = diagnose(m, batch(), nn.functional.cross_entropy)
+    report = diagnose(m, batch(), nn.functional.cross_entropy, device="cuda")
     assert report.keep_fp32[0] == "0"
     assert report.worst(1)[0].layer == "0" and report.worst(1)[0].kind in ("output", "weight")
     first = report.recommendation.findings[0]
@@ -102,7 +188,7 @@ def test_bad_models_and_batches_raise_one_clear_error():
 def test_write_gives_markdown_json_and_a_heat_map(tmp_path):
     m = mlp(scale_first=1e5)
     opt = torch.optim.SGD(m.parameters(), 1e-3)
-    report = diagnose(m, batch(), nn.functional.cross_entropy, optimizer=opt)
+    report = diagnose(m, batch(), nn.functional.cross_entropy, optimizer=opt, device="cuda")
     paths = report.write(tmp_path)
     data = json.loads(paths["json"].read_text())
     assert data["recommendation"]["policy"] == report.policy and data["apply"] == report.one_liner()

@@ -301,6 +301,25 @@ def test_master_weights_follow_the_lost_update_fraction():
     assert "below half an ulp" in small.master_weights_reason
 
 
+def test_where_fp16_is_slow_bf16_is_chosen_with_the_reason_and_the_prediction_is_plain_python():
+    from polyamp.doctor.recommend import fp16_slow
+
+    rng = np.random.default_rng(26)
+    obs = model(rng, grad=(-16, 1.5))
+    assert recommend(obs).policy == "fp16-mixed"  # the numerics alone
+    why = fp16_slow("torch", "cpu")
+    assert "torch warns" in why and fp16_slow("mxnet", "cpu_pinned") and fp16_slow("torch", "cuda:1") is None
+    assert fp16_slow("jax", "cpu") is None and fp16_slow("torch", None) is None  # no such fact
+    rec = recommend(obs, slow_fp16=why)
+    assert rec.policy == "bf16-mixed" and rec.loss_scale is None and rec.fp16_slow == why
+    assert rec.checks["fp16-mixed"].feasible and why in rec.reason and "fp16-mixed fits" in rec.reason
+    assert json.loads(json.dumps(rec.to_json()))["fp16_slow"] == why
+    zeros = LogHistogram.of(np.zeros(16, np.float32))  # all-zero gradients (a zero-initialised BN)
+    p = predict(zeros, "fp16")
+    assert type(p.any_flush) is bool and all(type(v) is float for v in (p.flush, p.overflow, p.normal))
+    json.dumps(p.to_json(), allow_nan=False)
+
+
 def test_repeated_observations_merge_and_layer_order_is_kept():
     rng = np.random.default_rng(25)
     big = LogHistogram.of(lognormal(rng, 20, 1, 100))

@@ -6,13 +6,14 @@ listed as not tried, and the report's JSON and text carry all of it."""
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 
 from polyamp import PolyampError
 from polyamp.tune import Candidate, Knob
 from polyamp.tune import search as search_module
-from polyamp.tune.report import STATUSES
+from polyamp.tune.report import STATUSES, TuneReport
 from polyamp.tune.search import tune as search
 from polyamp.tune.space import check_policies
 
@@ -137,13 +138,62 @@ def test_a_policy_that_breaks_parity_is_dropped_with_its_knobs():
     assert "fp16-mixed" not in report.tuned and report.best.policy == "float32"
 
 
-def test_a_spent_budget_lists_what_was_not_tried():
+def test_a_spent_budget_lists_what_was_not_tried_and_the_budget_holds():
     knobs = {name: Knob((0, 1), f"{name} {{value}}") for name in "abcdef"}
-    report = run(Sleeper(knobs, lambda c: 20 * MS), policies=("float32",), budget_s=0.3)
+    report = run(Sleeper(knobs, lambda c: 20 * MS), policies=("float32",), budget_s=0.8)
     statuses = [tr.status for tr in report.trials]
-    assert "not tried" in statuses and len(statuses) == 6
-    assert all("budget was spent" in tr.reason for tr in report.trials if tr.status == "not tried")
-    assert report.spent_s < 0.3 + 0.35  # the final rounds: 5 of 20 ms for each of 2 configurations
+    assert "not tried" in statuses and len(statuses) == 6 and statuses[0] != "not tried"
+    assert all("the budget did not allow it" in tr.reason and "a budget of about" in tr.reason
+               for tr in report.trials if tr.status == "not tried")  # fmt: skip
+    assert all(tr.rounds >= 3 for tr in report.trials if tr.status != "not tried")  # never a 1-round try
+    assert report.spent_s < 0.8 * 1.1 and not report.notes  # within the budget, and a knob was tried
+
+
+def test_a_budget_too_small_for_one_paired_round_says_so_and_what_budget_would_do():
+    """Regression: a budget the float32 reference nearly spent tried nothing ("the budget was spent"),
+    ran its final rounds past the budget and reported a zero-width interval from one round."""
+    knobs = {name: Knob((0, 1), f"{name} {{value}}") for name in "ab"}
+    small = run(Sleeper(knobs, lambda c: 30 * MS), policies=("bf16-mixed",), budget_s=0.45)
+    assert {tr.status for tr in small.trials if tr.baseline is not None} == {"not tried"}
+    assert [tr.status for tr in small.trials if tr.baseline is None] == ["ok"]  # the default: always checked
+    (note,) = small.notes
+    assert "too small for even one paired round" in note and "would try the first knob value" in note
+    assert small.spent_s < 0.45 * 1.1  # the reference, the default's check, 3 final rounds (30 ms steps)
+    assert [f.rounds for f in small.final] == [0, 3]  # float32's default, and bf16's paired with it
+    assert all(f.ci95 is None or f.ci95[0] < f.ci95[1] for f in small.final)  # no zero-width interval
+    assert "budget:" in small.text() and note in small.text()
+    first = float(note.split("a budget of about ")[1].split(" s")[0])
+    enough = run(Sleeper(knobs, lambda c: 30 * MS), policies=("bf16-mixed",), budget_s=first * 1.3)
+    assert any(tr.status not in ("ok", "not tried") for tr in enough.trials)  # what it said would do
+
+
+def test_one_round_gives_no_interval_and_the_text_says_n_a():
+    """Regression: one paired round's bootstrap "interval" was the sample itself ([1.945, 1.945])."""
+    from polyamp.tune.report import Final, TuneReport
+
+    f32, bf16 = Candidate.of("float32", {}), Candidate.of("bf16-mixed", {})
+    final = [Final("float32 default", f32, 0.2, None, None, None, [0.2]),
+             Final("bf16-mixed default", bf16, 0.1, 2.0, None, None, [0.1], 1)]  # fmt: skip
+    report = TuneReport("none", "m", ("float32", "bf16-mixed"), {}, [], {"float32": f32, "bf16-mixed": bf16},
+                        final, 1.0, 1.0, 3, 0.05, 0.03, 1.0)  # fmt: skip
+    assert report.speedup("bf16-mixed") == (2.0, None)
+    assert report.to_json()["speedup_over_tuned_float32"]["bf16-mixed"] == {"speedup": 2.0, "ci95": None,
+                                                                            "rounds": 1}  # fmt: skip
+    assert "tuned bf16-mixed / tuned float32: 2.00x (95 % interval n/a (1 round))" in report.text()
+
+
+def test_a_saved_report_loads_back_equal(tmp_path):
+    knobs = {"k": Knob((0, 1), "k {value}"), "only": Knob(("a", "b"), "{value}", policies=("bf16-mixed",))}
+    report = run(Sleeper(knobs, lambda c: (1 if c.get("k") else 4) * MS), policies=("bf16",))
+    report.save(tmp_path / "tune.json")
+    loaded = TuneReport.load(tmp_path / "tune.json")
+    assert loaded == report and loaded.best == report.best and loaded.settings == report.settings
+    assert loaded.knobs["only"].policies == ("bf16-mixed",) and loaded.text() == report.text()
+    (tmp_path / "bad.json").write_text('{"framework": "torch"}')
+    with pytest.raises(PolyampError, match="not a polyamp tune report: missing name"):
+        TuneReport.load(tmp_path / "bad.json")
+    with pytest.raises(PolyampError, match="cannot read the tune report"):
+        TuneReport.load(tmp_path / "none.json")
 
 
 def test_the_report_goes_to_json_and_text(tmp_path):
@@ -168,7 +218,7 @@ def test_bad_arguments_are_one_clear_error():
         check_policies("bf16-true")
     with pytest.raises(PolyampError, match="unknown precision policy 'fp7'"):
         check_policies("fp7")
-    with pytest.raises(PolyampError, match="budget_s must be a finite number > 0; received -1"):
+    with pytest.raises(PolyampError, match=r"budget \(seconds\) must be a finite number > 0; received -1"):
         run(t, budget_s=-1)
     with pytest.raises(PolyampError, match="parity_steps must be an integer >= 2; received 1"):
         run(t, parity_steps=1)
@@ -183,11 +233,19 @@ def test_bad_arguments_are_one_clear_error():
 def test_a_choice_the_final_rounds_find_slower_is_reverted_and_said():
     knobs = {"trick": Knob((False, True), "trick {value}")}
 
-    def cost(c):  # the trick is fast while it is searched (2 builds), slow once the final rounds build it
-        return (5 * MS if len(t.built) <= 2 else 40 * MS) if c.get("trick") else 20 * MS
+    final = []
+
+    def cost(c):  # the trick is fast while it is searched, slow once the final rounds step it
+        return (40 * MS if final else 5 * MS) if c.get("trick") else 20 * MS
 
     t = Sleeper(knobs, cost)
-    report = run(t, policies=(), budget_s=6.0)
+
+    def progress(text, *_):
+        if text.startswith("side by side"):  # the final rounds start
+            final.append(text)
+
+    report = run(t, policies=(), budget_s=6.0, progress=progress)
+    assert t.built == [Candidate.of("float32", {"trick": False}), Candidate.of("float32", {"trick": True})]
     assert [tr.status for tr in report.trials] == ["chosen", "reverted"]
     reverted = [tr for tr in report.trials if tr.status == "reverted"]
     assert len(reverted) == 1 and reverted[0].ci95[1] < 1 and reverted[0].speedup < 0.8
@@ -197,3 +255,15 @@ def test_a_choice_the_final_rounds_find_slower_is_reverted_and_said():
     assert len(reasons) == 1 and "reverted: in the final rounds it ran" in reasons[0]
     assert "reverted" in STATUSES
     assert json.loads(json.dumps(report.to_json()))["trials"][-1]["status"] == "reverted"
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "docs" / "tune-report").glob("*.json")),
+                         ids=lambda p: p.name)  # fmt: skip
+def test_the_committed_reports_load_with_their_choices(path):
+    """Reports saved before the baseline's candidate and the round times were (read from the labels)."""
+    data = json.loads(path.read_text())
+    report = TuneReport.load(path)
+    assert report.best.to_json() == data["best"] and report.reasons() == data["reasons"]
+    assert {p: c.to_json() for p, c in report.tuned.items()} == data["tuned"]
+    pairs = zip(report.trials, data["trials"])
+    assert all(t.baseline is None or t.baseline.label == d["baseline"] for t, d in pairs)

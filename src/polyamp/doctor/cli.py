@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
                    "(predicted; fp16, bf16, e4m3fn, ...), block formats (measured; mxfp8_e4m3, "
                    "mxfp8_e4m3:rceil, nvfp4, ...) and recipes (measured; recipe:fp8-tensorwise, "
                    "recipe:mxfp8, recipe:nvfp4)")  # fmt: skip
+    p.add_argument("--device", help="where the training will run (cpu, cuda, ...): fp16-mixed is not "
+                   "recommended where the framework runs it slowly or refuses it (default: where the "
+                   "model's weights are)")  # fmt: skip
     p.add_argument("--no-optimizer", action="store_true", help="observe no update (no lost-update check)")
     p.add_argument("--quick", action="store_true", help="the workload's tiny size (a smoke check)")
     p.add_argument("--top", type=int, default=12, help="rows of the worst-tensors table (default 12)")
@@ -68,7 +71,7 @@ def doctor(args, argv: list[str]) -> int:
     label = args.target or f"compare workload {args.workload or 'charlm'}{' (quick)' * args.quick}"
     with _status(f"polyamp doctor: observing {args.steps} float32 step(s) in {framework}", args.json):
         report = diagnose(model, batch, loss_fn, framework=framework, steps=args.steps, formats=formats,
-                          optimizer=optimizer)  # fmt: skip
+                          optimizer=optimizer, device=args.device)  # fmt: skip
     report = dataclasses.replace(report, model=label)
     paths = report.write(args.out, plot=not args.no_plot)
     if args.json:

@@ -150,15 +150,16 @@ def predict(hist: LogHistogram, fmt: str | FloatFormat, scale: float = 1.0, nois
         any_flush = bool(_classify_points(np.array([hist.amin_nonzero * scale]), lim)[0][0])
         flush = max(flush, 1.0) if any_flush else flush if noise > 0 else 0.0
     else:
-        any_flush = flush > 0
+        any_flush = bool(flush > 0)
     fnz = hist.finite_nonzero
     kept = fnz - over
-    rel2, error, signal, low_error = sums
+    rel2, error, signal, low_error = (float(v) for v in sums)
+    flush, sub, over = float(flush), float(sub), float(over)
     n = hist.total
-    return Prediction(
+    return Prediction(  # plain Python numbers throughout: the report's JSON is written from these
         format=fmt.name,
         scale=scale,
-        total=n,
+        total=int(n),
         overflow=over / n,
         flush=flush / n,
         subnormal=sub / n,

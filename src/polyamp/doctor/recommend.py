@@ -20,7 +20,10 @@ Rules (the thresholds are the named constants below, each with its reason):
      its weights are stored.
    A check is feasible when it keeps fewer than all layers and at most max(1, MAX_KEEP_FRACTION * layers).
 3. The policy is fp16-mixed when feasible (3 more mantissa bits than bf16), else bf16-mixed when feasible
-   (float32's range, no loss scale), else float32.
+   (float32's range, no loss scale), else float32. Where the training's framework and device run fp16
+   slower than float32 or not at all (``fp16_slow``: the facts its front end warns or refuses with) and
+   bf16-mixed fits too, bf16-mixed is chosen, and the reason says why. (bf16 reaches lower than fp16 at
+   any loss scale and overflows only where float32 does, so where fp16 fits, bf16 in practice fits too.)
 """
 
 from __future__ import annotations
@@ -45,6 +48,24 @@ DEFAULT_LOSS_SCALE = 2.0**16  # torch's GradScaler default, when no non-zero gra
 GRAD_UNDERFLOW_MAX = 0.05  # a layer with over 5% of its gradient flushed to 0 learns from a thinned one
 LOST_UPDATES_MAX = 0.05  # a step that cannot move over 5% of the weights drifts from (or stalls against) fp32
 MAX_KEEP_FRACTION = 0.25  # over a quarter of the layers in fp32 leaves little to gain from mixed precision
+
+
+# (framework, device type) -> why fp16-mixed is no choice there: the fact its front end acts on (torch
+# warns at fp16 autocast on a CPU: torch/ops.py; MXNet refuses fp16-mixed on a CPU: mxnet/ops.py)
+FP16_SLOW = {
+    ("torch", "cpu"): "torch warns at fp16 autocast on a CPU: most CPUs have no float16 arithmetic, and "
+    "torch's CPU float16 matmuls can then be much slower than float32 (docs/BENCHMARKS.md: 0.01x-0.3x)",
+    ("mxnet", "cpu"): "MXNet cannot run fp16-mixed on a CPU (its float16 FullyConnected exists only in the "
+    "cuDNN build; polyamp refuses it there)",
+}
+
+
+def fp16_slow(framework: str | None, device: str | None) -> str | None:
+    """Why fp16-mixed is slow or refused for ``framework`` on ``device`` ("cpu", "cuda:0", ...), else
+    None (no such fact: the choice rests on the numerics alone)."""
+    kind = device.split(":")[0].strip().lower() if isinstance(device, str) else None
+    kind = "cpu" if kind and kind.startswith("cpu") else kind  # MXNet's cpu_pinned, cpu_shared
+    return FP16_SLOW.get((framework, kind))
 
 
 @dataclass(frozen=True)
@@ -110,6 +131,7 @@ class Recommendation:
     nonfinite: Finding | None = None
     findings: tuple[Finding, ...] = ()
     checks: dict[str, PolicyCheck] = field(default_factory=dict)
+    fp16_slow: str | None = None  # why fp16-mixed was not chosen on this framework and device (rule 3)
 
     def line(self) -> str:
         return f"{self.policy}: {self.reason}"
@@ -118,8 +140,9 @@ class Recommendation:
         return asdict(self)
 
 
-def recommend(observations: Iterable[Observation]) -> Recommendation:
-    """The recommendation for a model from its observations (module docstring for the rules)."""
+def recommend(observations: Iterable[Observation], *, slow_fp16: str | None = None) -> Recommendation:
+    """The recommendation for a model from its observations (module docstring for the rules);
+    ``slow_fp16``: why fp16-mixed is slow or refused where the model will train (``fp16_slow``), if it is."""
     table = layer_table(observations)
     layers = list(table)
     bad = _first_nonfinite(table, layers)
@@ -142,6 +165,12 @@ def recommend(observations: Iterable[Observation]) -> Recommendation:
     }
     fp16, bf16 = checks["fp16-mixed"], checks["bf16-mixed"]
     n = len(layers)
+    if fp16.feasible and bf16.feasible and slow_fp16:
+        kept = f"{len(bf16.keep_fp32)} of {n} layers" if bf16.keep_fp32 else "no layer"
+        reason = (f"fp16-mixed fits (loss scale {_pow2(fp16.loss_scale)}) but is no choice here: "
+                  f"{slow_fp16}; bf16 fits too, with float32's range and no loss scale, {kept} kept in "
+                  "fp32")  # fmt: skip
+        return _chosen(bf16, reason, checks, slow_fp16)
     if fp16.feasible:
         kept = (
             f"{len(fp16.keep_fp32)} of {n} layers kept in fp32" if fp16.keep_fp32 else "no layer kept in fp32"
@@ -151,6 +180,7 @@ def recommend(observations: Iterable[Observation]) -> Recommendation:
             (
                 f"fits fp16 at loss scale {_pow2(fp16.loss_scale)} ({_pct(fp16.gradient_underflow)} "
                 f"of gradient elements flush to zero), {kept}"
+                + (f"; bf16 does not fit, though fp16 is slow here: {slow_fp16}" if slow_fp16 else "")
             ),
         )
     elif bf16.feasible:
@@ -167,6 +197,11 @@ def recommend(observations: Iterable[Observation]) -> Recommendation:
             findings=fp16.findings + bf16.findings,
             checks=checks,
         )
+    return _chosen(chosen, reason, checks)
+
+
+def _chosen(chosen: PolicyCheck, reason: str, checks: dict[str, PolicyCheck], slow_fp16: str | None = None
+            ) -> Recommendation:  # fmt: skip
     return Recommendation(
         policy=chosen.policy,
         reason=reason,
@@ -179,6 +214,7 @@ def recommend(observations: Iterable[Observation]) -> Recommendation:
         master_weights_reason=chosen.master_weights_reason,
         findings=chosen.findings,
         checks=checks,
+        fp16_slow=slow_fp16,
     )
 
 

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..numerics import get_format
 from ..scaling import DynamicLossScale
 from .chain import backward_noise, gradient_predictions
@@ -67,6 +69,7 @@ class Report:
     seconds: float = 0.0
     model: str = ""
     measured: tuple[str, ...] = ()  # labels of the measured block formats and recipes (blocks.py)
+    device: str | None = None  # where the model trains, for the fp16 speed rule (recommend.fp16_slow)
 
     # -- the recommendation, ready to apply --------------------------------------------------------
     @property
@@ -149,8 +152,11 @@ class Report:
             lines.append(f"keep in fp32: {layer} — {why}")
         for check in r.checks.values():
             if check.policy != r.policy and check.feasible:
-                lines.append(f"also fits: {check.policy} ({len(check.keep_fp32)} layers kept in fp32; pick "
-                             "the one the hardware runs faster, docs/BENCHMARKS.md)")  # fmt: skip
+                pick = (f"not chosen on {self.device}, the policy line says why; training elsewhere: "
+                        "pass device= (--device)") if check.policy == "fp16-mixed" and r.fp16_slow else \
+                    "pick the one the hardware runs faster, docs/BENCHMARKS.md"  # fmt: skip
+                kept = len(check.keep_fp32)
+                lines.append(f"also fits: {check.policy} ({kept} layers kept in fp32; {pick})")
         for check in r.checks.values():
             need = "needed" if check.master_weights else "not needed"
             why = check.master_weights_reason
@@ -193,8 +199,9 @@ class Report:
                          [fmt.format(*cells) for cells in body])  # fmt: skip
 
     def to_json(self) -> dict:
-        return {
+        return _jsonable({
             "framework": self.framework,
+            "device": self.device,
             "model": self.model,
             "formats": list(self.formats),
             "measured_formats": list(self.measured),
@@ -202,12 +209,12 @@ class Report:
             "seconds": self.seconds,
             "apply": self.one_liner(),
             "gradients_vs_loss_scale": {f: self.scale_sweep(f) for f in self.formats if f in SCALED_FORMATS},
-            "recommendation": _jsonable(self.recommendation.to_json()),
-            "rows": [_jsonable(vars(r)) for r in self.rows],
+            "recommendation": self.recommendation.to_json(),
+            "rows": [vars(r) for r in self.rows],
             "histograms": [
                 {"layer": ob.layer, "kind": ob.kind, **ob.hist.to_json()} for ob in self.observations
             ],
-        }
+        })
 
     def write(self, folder: str | Path = "doctor-report", *, plot: bool = True) -> dict[str, Path]:
         """Write report.json, report.md and (with ``plot`` and matplotlib) heatmap.png into ``folder``."""
@@ -231,13 +238,14 @@ class Report:
         return f"{self.summary()}\n\n{self.table()}"
 
 
-def build(observations, formats, *, framework: str, steps: int, seconds: float = 0.0, model: str = ""
-          ) -> Report:  # fmt: skip
-    """Predict every observation in every format and recommend (``recommend.recommend``)."""
-    from .recommend import recommend
+def build(observations, formats, *, framework: str, steps: int, seconds: float = 0.0, model: str = "",
+          device: str | None = None) -> Report:  # fmt: skip
+    """Predict every observation in every format and recommend (``recommend.recommend``, told whether
+    fp16 is slow for ``framework`` on ``device``: ``recommend.fp16_slow``)."""
+    from .recommend import fp16_slow, recommend
 
     observations = tuple(observations)
-    rec = recommend(observations)
+    rec = recommend(observations, slow_fp16=fp16_slow(framework, device))
     from .blocks import parse
 
     fmts = tuple(get_format(f).name for f in formats if parse(f) is None)
@@ -254,7 +262,7 @@ def build(observations, formats, *, framework: str, steps: int, seconds: float =
         return cache[fmt, s][ob.layer, ob.kind]
 
     rows = tuple(_row(ob, fmts, scale, noise) for ob in observations)
-    return Report(framework, fmts, steps, observations, rec, rows, seconds, model, measured)
+    return Report(framework, fmts, steps, observations, rec, rows, seconds, model, measured, device)
 
 
 def _row(ob: Observation, formats: tuple[str, ...], scale: float | None, noise) -> Row:
@@ -280,6 +288,11 @@ def _row(ob: Observation, formats: tuple[str, ...], scale: float | None, noise) 
 
 
 def _jsonable(x):
+    """Plain JSON values: numpy scalars and arrays as Python numbers and lists, non-finite floats None."""
+    if isinstance(x, np.ndarray):
+        x = x.tolist()
+    elif isinstance(x, np.generic):
+        x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):

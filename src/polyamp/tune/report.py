@@ -1,10 +1,14 @@
 """What ``polyamp tune`` found: every trial with its outcome, the tuned configuration per policy, the final
-side-by-side rounds, and the one-sentence reasons; JSON in and out, and a text table."""
+side-by-side rounds, and the one-sentence reasons; JSON in and out (``save`` / ``load``: a saved report,
+``polyamp tune --json``'s file, applies in a training script as the one it was saved from), and a text
+table. A figure from one paired round has no interval (``None``; the text says ``n/a (1 round)``)."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
+import re
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,10 +45,27 @@ class Trial:
 
     def to_json(self) -> dict[str, Any]:
         return {"candidate": self.candidate.to_json(), "label": self.candidate.label,
-                "baseline": None if self.baseline is None else self.baseline.label, "status": self.status,
-                "reason": self.reason, "final_loss": self.final_loss, "parity": self.parity,
-                "speedup": self.speedup, "ci95": None if self.ci95 is None else list(self.ci95),
-                "rounds": self.rounds, "step_s": self.step_s, "base_step_s": self.base_step_s}  # fmt: skip
+                "baseline": None if self.baseline is None else self.baseline.label,
+                "baseline_candidate": None if self.baseline is None else self.baseline.to_json(),
+                "status": self.status, "reason": self.reason, "final_loss": self.final_loss,
+                "parity": self.parity, "speedup": self.speedup,
+                "ci95": None if self.ci95 is None else list(self.ci95), "rounds": self.rounds,
+                "step_s": self.step_s, "base_step_s": self.base_step_s, "times": self.times,
+                "base_times": self.base_times}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], knobs: Mapping[str, Knob] | None = None) -> Trial:
+        """The trial ``to_json`` gave; ``knobs`` read the baseline from its label, for reports saved
+        before the baseline's candidate was."""
+        base = data.get("baseline_candidate")
+        if base is not None:
+            base = Candidate.from_json(base)
+        elif data.get("baseline") is not None and knobs is not None:
+            base = _from_label(data["baseline"], knobs)
+        return cls(Candidate.from_json(data["candidate"]), base, data["status"], data["reason"],
+                   data.get("final_loss"), data.get("parity"), data.get("speedup"), _pair(data.get("ci95")),
+                   data.get("rounds", 0), data.get("step_s"), data.get("base_step_s"),
+                   list(data.get("times", [])), list(data.get("base_times", [])))  # fmt: skip
 
 
 @dataclass
@@ -59,11 +80,19 @@ class Final:
     ci95: tuple[float, float] | None
     error: str | None
     times: list[float] = field(default_factory=list, repr=False)
+    rounds: int = 0  # paired with the float32 default
 
     def to_json(self) -> dict[str, Any]:
         return {"key": self.key, "candidate": self.candidate.to_json(), "label": self.candidate.label,
                 "step_s": self.step_s, "speedup": self.speedup,
-                "ci95": None if self.ci95 is None else list(self.ci95), "error": self.error}  # fmt: skip
+                "ci95": None if self.ci95 is None else list(self.ci95), "rounds": self.rounds,
+                "error": self.error, "times": self.times}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Final:
+        return cls(data["key"], Candidate.from_json(data["candidate"]), data.get("step_s"),
+                   data.get("speedup"), _pair(data.get("ci95")), data.get("error"),
+                   list(data.get("times", [])), data.get("rounds", 0))  # fmt: skip
 
 
 @dataclass
@@ -85,6 +114,7 @@ class TuneReport:
     rtol: float
     min_gain: float
     reference_loss: float
+    notes: list[str] = field(default_factory=list)  # what the budget did not allow, and what would
 
     @property
     def best(self) -> Candidate:
@@ -103,14 +133,19 @@ class TuneReport:
     def settings(self) -> dict[str, Any]:
         return dict(self.best.settings)
 
-    def speedup(self, policy: str, over: str = "float32") -> tuple[float, tuple[float, float]] | None:
+    def speedup(self, policy: str, over: str = "float32") -> tuple[float, tuple[float, float] | None] | None:
         """The tuned ``policy`` step's paired speed-up over the tuned ``over`` step, from the final rounds
-        (median of per-round ratios, 95 % bootstrap interval)."""
-        a, b = self._final(over), self._final(policy)
-        if a is None or b is None or not a.times or not b.times:
+        (median of per-round ratios, 95 % bootstrap interval; None from one round)."""
+        ratios = self._ratios(policy, over)
+        if not ratios:
             return None
-        ratios = [x / y for x, y in zip(a.times, b.times) if y > 0]
-        return (statistics.median(ratios), bootstrap_ci(ratios)) if ratios else None
+        return statistics.median(ratios), bootstrap_ci(ratios) if len(ratios) >= 2 else None
+
+    def _ratios(self, policy: str, over: str) -> list[float]:
+        a, b = self._final(over), self._final(policy)
+        if a is None or b is None:
+            return []
+        return [x / y for x, y in zip(a.times, b.times) if y > 0]
 
     def _final(self, policy: str) -> Final | None:
         """The final rounds' entry of ``policy``'s tuned configuration."""
@@ -147,42 +182,119 @@ class TuneReport:
         headline = {p: self.speedup(p) for p in self.policies if p != "float32"}
         return {
             "framework": self.framework, "name": self.name, "policies": list(self.policies),
-            "knobs": {k: {"values": list(v.values), "why": v.why} for k, v in self.knobs.items()},
+            "knobs": {k: {"values": list(v.values), "why": v.why, "build_s": v.build_s,
+                          "policies": None if v.policies is None else list(v.policies)}
+                      for k, v in self.knobs.items()},
             "best": None if best is None else best.to_json(),
             "tuned": {p: c.to_json() for p, c in self.tuned.items()},
-            "speedup_over_tuned_float32": {p: None if v is None else {"speedup": v[0], "ci95": list(v[1])}
-                                           for p, v in headline.items()},
+            "speedup_over_tuned_float32": {p: None if v is None else {
+                "speedup": v[0], "ci95": None if v[1] is None else list(v[1]),
+                "rounds": len(self._ratios(p, "float32"))} for p, v in headline.items()},
             "final": [f.to_json() for f in self.final], "trials": [t.to_json() for t in self.trials],
             "reasons": self.reasons(), "budget_s": self.budget_s, "spent_s": self.spent_s,
             "parity_steps": self.parity_steps, "rtol": self.rtol, "min_gain": self.min_gain,
-            "reference_loss": self.reference_loss,
+            "reference_loss": self.reference_loss, "notes": self.notes,
         }  # fmt: skip
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TuneReport:
+        """The report ``to_json`` gave (a saved file's contents, or one item of ``polyamp tune --json``)."""
+        missing = [k for k in _REQUIRED if not isinstance(data, Mapping) or k not in data]
+        if missing:
+            got = f"keys {sorted(data)}" if isinstance(data, Mapping) else type(data).__name__
+            raise PolyampError(f"not a polyamp tune report: missing {', '.join(missing)} (received {got}); "
+                               "expected what TuneReport.save or polyamp tune --json wrote")  # fmt: skip
+        knobs = {k: Knob(tuple(v["values"]), v["why"], None if v.get("policies") is None
+                         else tuple(v["policies"]), v.get("build_s", 0.0))
+                 for k, v in data["knobs"].items()}  # fmt: skip
+        return cls(framework=data["framework"], name=data["name"], policies=tuple(data["policies"]),
+                   knobs=knobs, trials=[Trial.from_json(t, knobs) for t in data["trials"]],
+                   tuned={p: Candidate.from_json(c) for p, c in data["tuned"].items()},
+                   final=[Final.from_json(f) for f in data["final"]], budget_s=data["budget_s"],
+                   spent_s=data["spent_s"], parity_steps=data["parity_steps"], rtol=data["rtol"],
+                   min_gain=data["min_gain"], reference_loss=data["reference_loss"],
+                   notes=list(data.get("notes", [])))  # fmt: skip
+
+    @classmethod
+    def load(cls, path: str | Path) -> TuneReport:
+        """A report ``save`` wrote (``polyamp tune``'s file in ``--out``): ``TuneReport.load(path)
+        .apply(...)`` sets up what the saved report's ``apply`` would. ``polyamp tune --json`` prints a
+        list: one report loads from it as is; of several, pass one item to ``from_json``."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as err:
+            raise PolyampError(f"cannot read the tune report {str(path)!r}: {err.strerror}") from None
+        except json.JSONDecodeError as err:
+            raise PolyampError(f"{str(path)!r} is not JSON ({err.msg}, line {err.lineno}); expected a tune "
+                               "report TuneReport.save wrote") from None  # fmt: skip
+        if isinstance(data, list) and len(data) == 1:
+            data = data[0]
+        return cls.from_json(data)
+
     def text(self) -> str:
         """The report as a few lines and two tables (final rounds, then every trial)."""
-        lines = [f"polyamp tune: {self.name} in {self.framework}, {self.spent_s:.0f} s of a "
-                 f"{self.budget_s:.0f} s budget; parity: loss after {self.parity_steps} steps within "
+        lines = [f"polyamp tune: {self.name} in {self.framework}, {seconds(self.spent_s)} s of a "
+                 f"{seconds(self.budget_s)} s budget; parity: loss after {self.parity_steps} steps within "
                  f"{self.rtol:.0%} of float32's {self.reference_loss:.6g}", ""]  # fmt: skip
         lines.append(f"{'configuration':60s} {'step ms':>9s} {'vs float32 default':>19s}")
         for f in self.final:
             ms = "-" if f.step_s is None else f"{f.step_s * 1e3:9.1f}"
-            sp = "-" if f.speedup is None else f"{f.speedup:.2f}x"
+            sp = "-" if f.speedup is None else f"{f.speedup:.2f}x" + (" (1 round)" if f.rounds == 1 else "")
             sp = "1.00x" if f.key == "float32 default" else sp
             lines.append(f"{f.key + ': ' + f.candidate.label:60.60s} {ms:>9s} {sp:>19s}"
                          + (f"  ({f.error})" if f.error else ""))  # fmt: skip
         for policy in self.policies:
             if policy != "float32" and (s := self.speedup(policy)) is not None:
-                (lo, hi) = s[1]
-                lines.append(f"tuned {policy} / tuned float32: {s[0]:.2f}x (95 % interval {lo:.2f}-{hi:.2f})")
+                lines.append(f"tuned {policy} / tuned float32: {s[0]:.2f}x (95 % interval "
+                             f"{_interval_text(s[1], len(self._ratios(policy, 'float32')))})")  # fmt: skip
         try:
             lines.append(f"best: {self.best.label}")
         except PolyampError as err:
             lines.append(f"best: none ({err})")
         lines += ["", "why:"] + [f"  {r}" for r in self.reasons() or ["no setting beat its default here"]]
+        lines += ["", "budget:", *[f"  {n}" for n in self.notes]] if self.notes else []
         lines += ["", f"{'trial':60s} {'status':10s} reason"]
         for t in self.trials:
             lines.append(f"{t.candidate.label:60.60s} {t.status:10s} {t.reason}")
         return "\n".join(lines)
+
+
+def seconds(x: float, up: bool = False) -> str:
+    """Seconds to two significant figures below 10 and whole above (``up``: rounded up, a budget)."""
+    if x >= 10:
+        return str(math.ceil(x)) if up else f"{x:.0f}"
+    if up:
+        return f"{math.ceil(x * 10) / 10:.1f}" if x >= 1 else f"{math.ceil(x * 100) / 100:.2f}"
+    return f"{x:.2g}"
+
+
+_REQUIRED = ("framework", "name", "policies", "knobs", "trials", "tuned", "final", "budget_s", "spent_s",
+             "parity_steps", "rtol", "min_gain", "reference_loss")
+
+
+def _from_label(label: str, knobs: Mapping[str, Knob]) -> Candidate:
+    """The candidate a ``Candidate.label`` names (``bf16-mixed optimizer=as given threads=2``): each
+    ``knob=text`` read back as the knob value whose text it is."""
+    policy, _, rest = label.partition(" ")
+    names = "|".join(re.escape(k) for k in knobs)
+    settings = {}
+    for m in re.finditer(rf"(?:^| )({names})=(.*?)(?= (?:{names})=|$)", rest):
+        values = {_text(v): v for v in knobs[m[1]].values}
+        if m[2] not in values:
+            raise PolyampError(f"tune report: {m[1]}={m[2]!r} in {label!r} is not a value of the knob "
+                               f"{m[1]} ({', '.join(values)})")  # fmt: skip
+        settings[m[1]] = values[m[2]]
+    return Candidate.of(policy, settings)
+
+
+def _pair(value) -> tuple[float, float] | None:
+    return None if value is None else (float(value[0]), float(value[1]))
+
+
+def _interval_text(ci: tuple[float, float] | None, rounds: int) -> str:
+    if ci is None:
+        return "n/a (1 round)" if rounds <= 1 else "n/a"
+    return f"{ci[0]:.2f}-{ci[1]:.2f}"

@@ -28,6 +28,7 @@ class Knob:
     values: tuple[Any, ...]
     why: str
     policies: tuple[str, ...] | None = None  # the policies it can change (None: all)
+    build_s: float = 0.0  # seconds a non-default value may add to a build, until one is measured (compile)
 
     @property
     def default(self) -> Any:
@@ -59,6 +60,14 @@ class Candidate:
 
     def to_json(self) -> dict[str, Any]:
         return {"policy": self.policy, "settings": dict(self.settings)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Candidate:
+        """The candidate ``to_json`` gave."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("policy"), str) \
+                or not isinstance(data.get("settings"), Mapping):  # fmt: skip
+            raise PolyampError(f"a tune candidate is {{'policy': str, 'settings': dict}}; received {data!r}")
+        return cls.of(data["policy"], data["settings"])
 
 
 class Step(Protocol):
