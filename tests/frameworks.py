@@ -16,6 +16,16 @@ _REQUESTED_AS = {"keras": "tensorflow", "keras_hub": "tensorflow", "transformers
                  "equinox": "jax"}
 
 
+# what a polyamp record's error says where MXNet computes no bf16 (a CPU without AVX-512:
+# polyamp/mxnet/capability.py); such a case is reported "unsupported", a hardware capability like CUDA
+MXNET_NO_BF16 = "computes no bfloat16 on this CPU"
+
+
+def mxnet_bf16_refused(record: dict) -> bool:
+    """An MXNet record polyamp refused because this CPU computes no bf16 in MXNet."""
+    return record.get("status") == "unsupported" and MXNET_NO_BF16 in (record.get("error") or "")
+
+
 def requested(name: str) -> bool:
     wanted = [n for n in os.environ.get("POLYAMP_TEST_FRAMEWORKS", "").split(",") if n]
     return _REQUESTED_AS.get(name, name) in wanted

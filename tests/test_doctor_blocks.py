@@ -313,7 +313,8 @@ def test_tensorflow_doctor_measures_block_formats():
     report = pa.doctor(model, (tf.constant(x), tf.constant(y)), keras.losses.MeanSquaredError(),
                        optimizer=keras.optimizers.SGD(0.1), formats=FORMATS)  # fmt: skip
     check_report(report, {la.name: [B.gemm_layout(v.numpy(), "weight") for v in la.trainable_variables]
-                          for la in model.layers})  # fmt: skip
+                          for la in model.layers},
+                 {la.name: [B.gemm_layout(la.kernel.numpy(), "weight")] for la in model.layers})  # fmt: skip
 
 
 def test_mxnet_doctor_measures_block_formats():
