@@ -64,7 +64,7 @@ from .quantize import _U, _divide, _Grid, _Num, _round, _Stream, blocks_keyed, c
 from .quantize import _decompose as decompose
 from .quantize import _decompose_bits as decompose_bits
 from .recipe_conv import CONV_LAYERS, conv, conv_call, conv_options
-from .recipe_einsum import einsum_call, gemm_plan
+from .recipe_einsum import bias_and_activation, einsum_call, gemm_plan
 
 _COMPUTE = {"bf16": tf.bfloat16, "fp32": tf.float32}
 _FP32 = _Grid.of(FORMATS["fp32"], False)
@@ -436,11 +436,7 @@ def _dense_call(layer, matmul):
     def call(inputs, training=None):
         with keras.src.backend.AutocastScope(None):
             kernel = tf.convert_to_tensor(layer.kernel)
-        x = matmul(inputs, kernel)
-        if layer.bias is not None:
-            x = keras.ops.add(x, layer.bias)
-        if layer.activation is not None:
-            x = layer.activation(x)
-        return x
+        return bias_and_activation(layer, matmul(inputs, kernel))
 
     return call
+

@@ -86,6 +86,15 @@ def einsum_gemm(plan: EinsumGemm, matmul, x, kernel):
     return y if plan.out_perm is None else tf.transpose(y, plan.out_perm)
 
 
+def bias_and_activation(layer, x):
+    """``x`` plus the layer's bias, through its activation, as Dense and EinsumDense finish ``call``."""
+    if layer.bias is not None:
+        x = keras.ops.add(x, layer.bias)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
 def einsum_call(layer, matmul):
     """EinsumDense's ``call`` with its einsum as ``matmul`` of the float32 kernel (read outside Keras's
     autocast), bias and activation as Keras adds them."""
@@ -100,11 +109,6 @@ def einsum_call(layer, matmul):
             plans[rank] = plan
         with keras.src.backend.AutocastScope(None):
             kernel = tf.convert_to_tensor(layer.kernel)
-        x = einsum_gemm(plans[rank], matmul, inputs, kernel)
-        if layer.bias is not None:
-            x = keras.ops.add(x, layer.bias)
-        if layer.activation is not None:
-            x = layer.activation(x)
-        return x
+        return bias_and_activation(layer, einsum_gemm(plans[rank], matmul, inputs, kernel))
 
     return call
