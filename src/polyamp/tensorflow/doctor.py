@@ -71,7 +71,6 @@ from collections import defaultdict
 from typing import NamedTuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from ..doctor import blocks as _blocks
@@ -79,10 +78,9 @@ from ..doctor.histogram import LogHistogram
 from ..doctor.recommend import KINDS, Observation
 from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
-from ..frameworks import detect
 from .binning import Tally, histogram, ratio_histogram, records
+from .doctor_input import as_tensors, check_input
 from .keep import named_layers, sublayers
-from .policies import check_keras
 from .snapshot import Snapshot, global_seed_generator
 
 
@@ -90,7 +88,7 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
     """Observe ``steps`` float32 training steps of ``model`` on ``batch``; the model, its variables and
     ``optimizer`` are left exactly as they were (module docstring). ``measure``: ``blocks.Target``s."""
     batch = as_tensors(batch)
-    _check(model, batch, loss_fn, steps, optimizer)
+    check_input(model, batch, loss_fn, steps, optimizer)
     job = _Job(model, batch, loss_fn, optimizer)
     recipes = tuple(t for t in measure if t.label.startswith(_blocks.PREFIX))
     job.meter = _blocks.Meter(tuple(t for t in measure if t not in recipes), _numpy, kernels_in_out=True)
@@ -107,21 +105,6 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
 
 def _numpy(t):
     return t.numpy()
-
-
-def as_tensors(batch):
-    """``batch`` with its numpy arrays as TensorFlow tensors, floating ones not in Keras's floatx cast to it,
-    as ``fit`` converts them (tuples, lists and dicts of them: a keras_hub model's ``{"token_ids",
-    "padding_mask"}``); other leaves as they are (``_check`` judges them)."""
-
-    def convert(leaf):
-        if not isinstance(leaf, np.ndarray):
-            return leaf
-        if leaf.dtype.kind == "f" and leaf.dtype != np.dtype(keras.config.floatx()):
-            leaf = leaf.astype(keras.config.floatx())
-        return tf.convert_to_tensor(leaf)
-
-    return tf.nest.map_structure(convert, batch)
 
 
 class _RecipeTensors:
@@ -482,44 +465,6 @@ def _layers(model) -> list[tuple[str, keras.layers.Layer | None, list]]:
 def _short(v) -> str:
     name = v.name
     return name.rsplit("/", 1)[-1].split(":")[0]
-
-
-def _check(model, batch, loss_fn, steps, optimizer) -> None:
-    check_keras()
-    if not isinstance(model, keras.layers.Layer):
-        raise PolyampError(f"model: expected a Keras model or layer (keras.Model, keras.layers.Layer), got "
-                           f"{_type(model)}")  # fmt: skip
-    if not model.built:
-        raise PolyampError(f"model {_type(model)} is not built: call it once on a batch (or build it) first; "
-                           "the doctor observes the variables it has and creates none")  # fmt: skip
-    if not model.trainable_weights:
-        which = "no variables" if not model.weights else "no trainable variables"
-        raise PolyampError(f"model {_type(model)} has {which}; the doctor observes the weights it trains")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise PolyampError(f"steps must be a whole number >= 1, got {steps!r}")
-    if loss_fn is not None and not callable(loss_fn):
-        hint = f"; for a loss by name use keras.losses.get({loss_fn!r})" if isinstance(loss_fn, str) else ""
-        raise PolyampError("loss_fn must be callable(y_true, y_pred) (a keras.losses.Loss or a function) or "
-                           f"None, got {_type(loss_fn)}{hint}")  # fmt: skip
-    if optimizer is not None:
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise PolyampError(
-                f"optimizer: got a {type(optimizer).__name__}, which scales the loss; the "
-                "doctor runs float32 steps: pass the optimizer it wraps (its inner_optimizer)"
-            )
-        if not isinstance(optimizer, keras.optimizers.Optimizer):
-            raise PolyampError(
-                f"optimizer: expected a keras.optimizers.Optimizer or None, got {_type(optimizer)}"
-            )
-    for leaf in tf.nest.flatten(batch):
-        if leaf is not None and (not tf.is_tensor(leaf) or detect(leaf) not in (None, "tensorflow")):
-            raise PolyampError(
-                f"batch: expected TensorFlow tensors or numpy arrays (as fit takes them), got {_type(leaf)}; "
-                "convert it (tf.convert_to_tensor, np.asarray) or pass a batch of the model's framework"
-            )
-    if isinstance(batch, (tuple, list)) and not 1 <= len(batch) <= 3:
-        raise PolyampError(f"batch: expected x, (x, y) or (x, y, sample_weight) as Keras's fit takes them, "
-                           f"got a {type(batch).__name__} of {len(batch)} items")  # fmt: skip
 
 
 # -- binning ------------------------------------------------------------------------------------------
