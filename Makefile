@@ -9,10 +9,16 @@ STAMP := $(VENV)/.installed
 MXNET_VENV := .venv-mxnet
 MXNET_PY := $(MXNET_VENV)/bin/python
 MXNET_STAMP := $(MXNET_VENV)/.installed
+# timm needs torchvision, and none of PyPI's torchvision releases imports beside torch's CPU wheel
+# (2.13.0): the timm tests have an environment of their own with torch 2.14.1 and its torchvision 0.29.1
+# (a CUDA build of about 5.5 GB, run on the CPU)
+TIMM_VENV := .venv-timm
+TIMM_PY := $(TIMM_VENV)/bin/python
+TIMM_STAMP := $(TIMM_VENV)/.installed
 FRAMEWORKS ?= torch,tensorflow,jax
 export POLYAMP_TEST_FRAMEWORKS ?= $(FRAMEWORKS)
 
-.PHONY: demo test venv venv-mxnet lint bench clean
+.PHONY: demo test venv venv-mxnet venv-timm lint bench clean
 
 venv: $(STAMP)
 
@@ -35,12 +41,21 @@ $(MXNET_STAMP): pyproject.toml Makefile
 	$(MXNET_PY) -m pip install --quiet -e ".[mxnet,dev,doctor]" "numpy<1.24" scikit-learn
 	touch $(MXNET_STAMP)
 
+venv-timm: $(TIMM_STAMP)
+
+$(TIMM_STAMP): pyproject.toml Makefile
+	test -x $(TIMM_PY) || $(PYTHON) -m venv $(TIMM_VENV)
+	$(TIMM_PY) -m pip install --quiet --upgrade pip
+	$(TIMM_PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(TIMM_PY) -m pip install --quiet -e ".[dev,timm]"
+	touch $(TIMM_STAMP)
+
 # The main job: every installed framework, workload and policy side by side (about 5 minutes here).
 demo: venv venv-mxnet
 	$(PY) -m polyamp cast 68.00000356923152 --to fp16,bf16,e4m3fn,e5m2,e2m1fn
 	$(PY) -m polyamp compare --out compare-report
 
-test: venv venv-mxnet
+test: venv venv-mxnet venv-timm
 	$(PY) -m ruff check src tests benchmarks examples
 	# two workers (both cores), each test file in one of them: most tests spend one core tracing and compiling
 	POLYAMP_REQUIRE_NUMBA=1 $(PY) -m pytest -q -n 2 --dist loadfile
@@ -49,9 +64,11 @@ test: venv venv-mxnet
 		tests/test_formats.py tests/test_rounding.py tests/test_policy.py tests/test_scaling.py tests/test_import.py \
 		tests/test_doctor_core.py tests/test_doctor_chain.py tests/test_doctor_mxnet.py tests/test_blocks.py tests/test_recipes.py tests/test_mxnet_recipes.py tests/test_mxnet_recipe_conv.py \
 		tests/test_hadamard.py tests/test_doctor_blocks.py tests/test_mxnet_tune.py tests/test_models_mxnet.py tests/test_models_docs.py
+	# timm's ResNet and ViT in their own environment (torch 2.14.1: TIMM_VENV above)
+	POLYAMP_TEST_FRAMEWORKS=torch,timm $(TIMM_PY) -m pytest -q tests/test_models_timm.py
 
 bench: venv
 	$(PY) benchmarks/quantize.py
 
 clean:
-	rm -rf $(VENV) $(MXNET_VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(MXNET_VENV) $(TIMM_VENV) build src/*.egg-info .pytest_cache

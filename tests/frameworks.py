@@ -11,7 +11,8 @@ import os
 import pytest
 
 # a module -> the framework whose requested run must have it (the model libraries of the real-model
-# tests are installed by the Makefile with their framework)
+# tests are installed by the Makefile with their framework; timm, in an environment of its own, is
+# requested by name: POLYAMP_TEST_FRAMEWORKS=torch,timm)
 _REQUESTED_AS = {"keras": "tensorflow", "keras_hub": "tensorflow", "transformers": "torch", "flax": "jax",
                  "equinox": "jax"}
 

@@ -332,4 +332,4 @@ def test_mxnet_doctor_measures_block_formats():
     report = pa.doctor(net, (x, y), gluon.loss.L2Loss(), optimizer=trainer, formats=FORMATS)
     names = [r.layer for r in report.rows if r.kind == "weight"]
     params = [[b.weight.data().asnumpy(), b.bias.data().asnumpy()] for b in (net[0], net[1])]
-    check_report(report, dict(zip(names, params)))
+    check_report(report, dict(zip(names, params)), dict(zip(names, ([p[0]] for p in params))))

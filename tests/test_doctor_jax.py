@@ -571,3 +571,37 @@ def test_keep_fp32_takes_the_doctor_names_of_the_compare_charlm(charlm):
     assert sorted(forward) == sorted([F32] * (4 + 2 + 1) + [BF16] * 2)  # qkvo, 2 products, head | ff1, ff2
     both = [dtype for _, dtype in backward_dots(jax.grad(mp.autocast(loss)), params, x, y)]
     assert both.count(F32) == 7 * 3 and both.count(BF16) == 2 * 3  # forward, and both operands' gradients
+
+
+def test_a_recipe_measures_only_what_it_would_quantize():
+    """recipe:mxfp8's rows: each matmul's weight (in its GEMM layout, without the bias) and output
+    gradient, and the outputs that are a matmul's input; a block format measures every tapped tensor."""
+    from polyamp.doctor.blocks import measure, parse
+
+    def loss(p, batch):
+        x, y = batch
+        with jax.named_scope("fc1"):
+            h = x @ p["w1"] + p["b1"]
+        with jax.named_scope("norm"):
+            h = h / jnp.sqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * p["g"]
+        with jax.named_scope("act"):
+            h = jnp.tanh(h)
+        with jax.named_scope("head"):
+            out = h @ p["w2"].T  # a (out, in) weight: x @ W.T
+        return jnp.mean((out - y) ** 2)
+
+    ks = jax.random.split(jax.random.PRNGKey(2), 4)
+    params = {"w1": jax.random.normal(ks[0], (8, 40)) / 3, "b1": jnp.ones(40), "g": jnp.ones(40),
+              "w2": jax.random.normal(ks[1], (4, 40)) / 6}  # fmt: skip
+    batch = (jax.random.normal(ks[2], (6, 8)), jax.random.normal(ks[3], (6, 4)))
+    obs = collect(params, batch, loss, measure=(parse("recipe:mxfp8"), parse("mxfp8_e4m3")))
+    recipe = {(o.layer, o.kind) for o in obs if "recipe:mxfp8" in o.measured}
+    assert recipe == {("fc1", "weight"), ("fc1", "grad_output"), ("head", "weight"), ("head", "grad_output"),
+                      ("act", "output")}  # fmt: skip
+    assert {(o.layer, o.kind) for o in obs if "mxfp8_e4m3" in o.measured} == {
+        (o.layer, o.kind) for o in obs if o.kind != "update_ratio"}
+    cast = parse("recipe:mxfp8").casts["weight"]
+    rows = {(o.layer, o.kind): o for o in obs}
+    for layer, gemm in (("fc1", params["w1"].T), ("head", params["w2"])):  # (N, K): blocks along K
+        want = measure(np.asarray(gemm), cast).to_json()  # sums in another order: to rounding
+        assert rows[layer, "weight"].measured["recipe:mxfp8"].to_json() == pytest.approx(want), layer

@@ -862,3 +862,26 @@ def test_fp16_and_bf16_arrays_are_widened_exactly(path):
         assert histogram(a) == reference(a)
     with pytest.raises(PolyampError, match="cannot bin a int32 NDArray"):
         histogram(mx.nd.ones((3,), dtype="int32"))
+
+
+def test_a_recipe_measures_only_what_it_would_quantize():
+    """recipe:mxfp8's rows: each Dense's weight (not its bias) and output gradient, and the outputs that
+    are a Dense's input; a block format measures every tapped tensor."""
+    from polyamp.doctor.blocks import measure, parse
+
+    mx.random.seed(4)
+    net = gluon.nn.Sequential()
+    net.add(gluon.nn.Dense(16, in_units=8), gluon.nn.LayerNorm(in_channels=16), gluon.nn.Activation("tanh"),
+            gluon.nn.Dense(4, in_units=16))  # fmt: skip
+    net.initialize(mx.init.Xavier())
+    rng = np.random.default_rng(0)
+    batch = tuple(mx.nd.array(rng.standard_normal(s).astype(np.float32)) for s in ((6, 8), (6, 4)))
+    obs = collect(net, batch, gluon.loss.L2Loss(), measure=(parse("recipe:mxfp8"), parse("mxfp8_e4m3")))
+    recipe = {(o.layer, o.kind) for o in obs if "recipe:mxfp8" in o.measured}
+    assert recipe == {("0", "weight"), ("0", "grad_output"), ("3", "weight"), ("3", "grad_output"),
+                      ("2", "output")}  # fmt: skip
+    assert {(o.layer, o.kind) for o in obs if "mxfp8_e4m3" in o.measured} == {
+        (o.layer, o.kind) for o in obs if o.kind != "update_ratio"}
+    head = next(o for o in obs if (o.layer, o.kind) == ("3", "weight"))
+    want = measure(net[3].weight.data().asnumpy(), parse("recipe:mxfp8").casts["weight"]).to_json()
+    assert head.measured["recipe:mxfp8"].to_json() == want  # (out, in): blocks along in; the bias not

@@ -23,6 +23,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import polyamp as pa  # noqa: E402
+from polyamp.doctor.blocks import measure, parse  # noqa: E402
 from polyamp.recipe_layers import RecipeWarning  # noqa: E402
 
 VOCAB, DIM, SEQ, BATCH = 24, 32, 12, 4
@@ -371,11 +372,18 @@ def test_the_doctor_names_nnx_rows_by_module_path(tmp_path):
 def test_the_doctor_takes_an_equinox_module_with_a_row_per_layer(tmp_path):
     # before: refused (a custom_jvp leaf); flattened, the four Linear layers were one 'eqx.nn.MLP/...' row
     model, (x, y) = mlp(), next(mlp_batches(1))
-    report = pa.doctor(model, (x, y), lambda m, b: eqx_loss(m, *b), optimizer=optax.adam(1e-3))
+    report = pa.doctor(model, (x, y), lambda m, b: eqx_loss(m, *b), optimizer=optax.adam(1e-3),
+                       formats=("bf16", "recipe:mxfp8"))  # fmt: skip
     rows = {(r.layer, r.kind): r for r in report.rows}
     # the MLP's own equations (its activations) are the root module's row, named by its class
     assert {layer for layer, _ in rows} == {"MLP", *(f"layers.{i}" for i in range(4))}
+    cast = parse("recipe:mxfp8").casts["weight"]
     for i, (n_in, n_out) in enumerate([(16, 32), (32, 32), (32, 32), (32, 4)]):
         assert rows[f"layers.{i}", "weight"].total == n_in * n_out + n_out
         assert (f"layers.{i}", "grad_output") in rows
+        # the recipe measures the weight alone (not the bias), (out, in) as W @ x blocks it: along in
+        want = measure(np.asarray(model.layers[i].weight), cast).to_json()
+        assert rows[f"layers.{i}", "weight"].measured["recipe:mxfp8"] == pytest.approx(want)
+    # and the activations that are a Linear's input: the MLP's relu outputs, not the final output
+    assert "recipe:mxfp8" in rows["MLP", "output"].measured
     assert report.write(tmp_path, plot=False)["json"].exists()

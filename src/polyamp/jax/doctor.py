@@ -43,7 +43,6 @@ go to the host for the clip thresholds (``blocks.plan``).
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -59,6 +58,8 @@ from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
 from .binning import _F64, _histogram, _layout, _stats, histogram, ratio_histogram
+from .doctor_measure import measure_tensor
+from .doctor_recipe import RecipeOperands, layout
 from .modules import leaf_names, model_leaves, module_scopes
 from .scopes import layer_of, name_scopes
 
@@ -89,8 +90,10 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
         for (layer, kind, _), tensors in zip(program.groups, out[2] or ()):
             for target in measure:
                 if kind in target.casts:
-                    ms = [measure_tensor(_blocks.gemm_layout(t, kind), target.casts[kind]) for t in tensors]
-                    parts[layer, kind][target.label] += ms * (steps // runs)
+                    ms = [measure_tensor(t, target.casts[kind]) for t in program.measured(
+                        layer, kind, tensors, target.label.startswith(_blocks.PREFIX))]  # fmt: skip
+                    if ms:
+                        parts[layer, kind][target.label] += ms * (steps // runs)
         if step + 1 < runs:
             new_leaves, opt_state = out[1]
             floating = [leaf for leaf, f in zip(new_leaves, program.floating) if f]
@@ -102,90 +105,6 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
         hist = hists[0].merge(*hists[1:]) if hists[1:] else hists[0]
         observations.append(Observation(layer, kind, hist, _blocks.merged(parts, (layer, kind))))
     return observations
-
-
-def measure_tensor(t, cast: _blocks.Cast) -> _blocks.Measured:
-    """``blocks.measure`` of a JAX array with ``polyamp.jax.quantize``'s kernels: counts on the float32
-    bit patterns (XLA's CPU backend flushes subnormal floats in arithmetic and comparisons), sums in
-    float64, in a zero-padded blocked view (padding is zero: never counted)."""
-    from .quantize import _key, quantize_blocks
-    from .recipe import tensorwise
-
-    x = jnp.asarray(t).astype(jnp.float32)
-    x = x.reshape(x.shape if x.ndim else (1,))
-    if not x.size:
-        return _blocks.Measured()
-    block = cast.block_for(x.ndim)
-    tiles = block if cast.scaling == "block" else ()
-    amax, bad = jax.device_get(_block_amax(x, tiles))
-    thr, scale = _blocks.plan(cast, amax, bad)
-    if cast.scaling == "tensorwise":
-        key = None if cast.seed is None else _key(cast.seed)  # the stream quantize(seed=...) draws
-        q = tensorwise(x, cast.format, scale=jnp.float32(scale), rounding=cast.rounding, key=key)
-    else:
-        axis = (-2, -1) if len(block) == 2 else -1
-        q = quantize_blocks(x, cast.format, axis=axis, block=block, scale_rule=cast.scale_rule,
-                            rounding=cast.rounding, seed=cast.seed)  # fmt: skip
-    counts = _block_counts(x, q, thr.view(np.int32), tiles, cast.scaling == "block")
-    with jax.enable_x64(True):
-        sums = _block_sums(x, q, bad, tiles, cast.scaling == "block")
-        err, energy = (float(v) for v in jax.device_get(sums))
-    nonfinite, nz, under, clip, spoiled = (int(c) for c in jax.device_get(counts))
-    return _blocks.Measured(int(x.size), nonfinite, nz, under, clip, spoiled, err, energy)
-
-
-def _bits(xb):
-    bits = lax.bitcast_convert_type(xb, jnp.int32) & 0x7FFFFFFF
-    return bits, bits < 0x7F800000
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _block_amax(x, tiles):
-    """Per block: the amax of the finite elements, and whether it holds inf/NaN."""
-    xb, dims = _blocked(x, tiles)
-    bits, finite = _bits(xb)
-    amax = lax.bitcast_convert_type(jnp.where(finite, bits, 0).max(dims, keepdims=True), jnp.float32)
-    return amax, (~finite).any(dims, keepdims=True)
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _block_counts(x, q, thr_bits, tiles, block_scaling: bool):
-    """Non-finite, non-zero, underflow, clipped and spoiled counts (``blocks.measure``)."""
-    xb, dims = _blocked(x, tiles)
-    bits, finite = _bits(xb)
-    qbits, _ = _bits(_blocked(q, tiles)[0])
-    bad = (~finite).any(dims, keepdims=True)
-    good = finite & ~bad if block_scaling else finite
-    nonzero = finite & (bits != 0)
-    ok = nonzero & good
-    under, clip = (ok & (qbits == 0)).sum(), (ok & (bits > thr_bits)).sum()
-    return jnp.stack([(~finite).sum(), nonzero.sum(), under, clip, (nonzero & ~good).sum()])
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _block_sums(x, q, bad, tiles, block_scaling: bool):
-    """``sum (q - x)^2`` and ``sum x^2`` in float64 over the finite elements outside spoiled blocks."""
-    xb, _ = _blocked(x, tiles)
-    finite = _bits(xb)[1]
-    good = finite & ~bad if block_scaling else finite
-    x64, q64 = xb.astype(jnp.float64), _blocked(q, tiles)[0].astype(jnp.float64)
-    d, e = jnp.where(good, q64 - x64, 0.0), jnp.where(good, x64, 0.0)
-    return (d * d).sum(), (e * e).sum()
-
-
-def _blocked(x, block: tuple[int, ...]):
-    """``x`` zero-padded and viewed as blocks, and the axes a block spans (``torch.doctor._blocked``)."""
-    if not block:
-        return x.reshape(1, -1), (1,)
-    if len(block) == 1:
-        (b,) = block
-        x2 = x.reshape(-1, x.shape[-1])
-        x2 = jnp.pad(x2, ((0, 0), (0, -x2.shape[1] % b)))
-        return x2.reshape(x2.shape[0], -1, b), (2,)
-    h, w = x.shape[-2:]
-    x3 = jnp.pad(x.reshape(-1, h, w), ((0, 0), (0, -h % block[0]), (0, -w % block[1])))
-    tiles = (x3.shape[0], x3.shape[1] // block[0], block[0], x3.shape[2] // block[1], block[1])
-    return x3.reshape(tiles), (2, 4)
 
 
 class _Params(NamedTuple):
@@ -374,7 +293,10 @@ class _Program:
         taps: dict[int, str] = {}
         avals: list = []  # of every produced value
 
+        operands = RecipeOperands(self.closed.jaxpr, self.floating)
+
         def visit(eqn, invals, layer):
+            operands.visit(eqn, invals, layer)
             if layer:
                 layers.setdefault(layer)
             for x in invals:
@@ -404,6 +326,7 @@ class _Program:
         self.tap_avals = [jax.ShapeDtypeStruct(avals[v].shape, avals[v].dtype) for v in order]
         self.refs = {}  # (layer, kind) -> [(source, index)]: what the program bins for each group
         self.groups = []  # (layer, kind, _Layout), in layer then KINDS order
+        self.recipe_refs = {}  # (layer, kind) -> per ref, the layout a recipe measures it in, or None
         for layer in layers:
             mine = [j for j, v in enumerate(order) if taps[v] == layer]
             own = [i for i in sorted(owner) if owner[i] == layer]
@@ -414,9 +337,19 @@ class _Program:
             for kind in KINDS:
                 if sources[kind]:
                     self.refs[layer, kind] = sources[kind]
+                    hows = [operands.how(src, i, order, taps) for src, i in sources[kind]]
+                    self.recipe_refs[layer, kind] = hows
                     dtypes = [self.tap_avals[i].dtype if src.endswith("tap") else leaves[i].dtype
                               for src, i in sources[kind]]  # fmt: skip
                     self.groups.append((layer, kind, _layout(*dtypes)))
+
+    def measured(self, layer: str, kind: str, tensors: list, recipe: bool) -> list:
+        """The tensors of group ``(layer, kind)`` a block format measures (every one, kernels in
+        ``blocks.gemm_layout``) or a recipe does (``doctor_recipe``), laid out for it."""
+        if not recipe:
+            return [_blocks.gemm_layout(t, kind) for t in tensors]
+        hows = self.recipe_refs[layer, kind]
+        return [layout(t, how, kind) for t, how in zip(tensors, hows) if how is not None]
 
     def check_state(self, opt_state, params) -> None:
         """PolyampError unless ``opt_state`` has the structure, shapes and dtypes of ``optimizer.init``'s."""

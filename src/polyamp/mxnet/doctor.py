@@ -88,6 +88,7 @@ from .binning import (
     histogram,
     ratio_histogram,
 )
+from .doctor_recipe import RecipeTensors
 from .keep import blocks, dtype_name, float32_operators, layers
 from .ops import autograd, gluon, mx
 
@@ -95,7 +96,8 @@ from .ops import autograd, gluon, mx
 def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measure=()) -> list[Observation]:
     """Observe ``steps`` float32 training steps of ``model`` on ``batch``; the model, its gradients and
     the trainer ``optimizer`` are left exactly as they were (module docstring). ``measure``:
-    ``blocks.Target``s, measured on a numpy copy (``.asnumpy()``) by ``blocks.measure``."""
+    ``blocks.Target``s, measured on a numpy copy (``.asnumpy()``) by ``blocks.measure``; a recipe only
+    on what it quantizes (``doctor_recipe.py``)."""
     _check(model, batch, loss_fn, steps, optimizer)
     table = layers(model)
     params = _parameters(model, optimizer)
@@ -104,9 +106,11 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
     hybrid = [(b, b._active) for _, b in blocks(model) if isinstance(b, gluon.HybridBlock)]
     sandbox = _Sandbox(params, optimizer)
     found: dict[tuple[str, str], list[LogHistogram]] = defaultdict(list)
-    taps: list[tuple[str, mx.nd.NDArray, mx.nd.NDArray]] = []
+    taps: list[tuple[str, mx.nd.NDArray, mx.nd.NDArray, mx.nd.NDArray]] = []
     wrapped, scratch, addends = [], _Scratch(), _Addends()
-    meter = _blocks.Meter(tuple(measure), lambda x: x.asnumpy())
+    recipes = tuple(t for t in measure if t.label.startswith(_blocks.PREFIX))
+    meter = _blocks.Meter(tuple(t for t in measure if t not in recipes), mx.nd.NDArray.asnumpy)
+    recipe = RecipeTensors(model, recipes, mx.nd.NDArray.asnumpy)
     try:
         with float32_operators():
             for block, _ in hybrid:
@@ -114,10 +118,12 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
             for layer in table:
                 if layer.leaf:
                     wrapped.append((layer.block, vars(layer.block).get("forward")))
-                    vars(layer.block)["forward"] = _tapped(layer.name, layer.block.forward, taps, addends)
+                    fed = recipe.fed if recipes and recipe.gemm(layer.name) else None
+                    forward = _tapped(layer.name, layer.block.forward, taps, addends, fed)
+                    vars(layer.block)["forward"] = forward
             sandbox.enter(scratch)
             for step in range(steps):
-                weights = _step(model, batch, loss_fn, table, sandbox, found, taps, scratch, meter)
+                weights = _step(model, batch, loss_fn, table, sandbox, found, taps, scratch, (meter, recipe))
                 if optimizer is None:
                     continue
                 optimizer.step(1, ignore_stale_grad=True)
@@ -140,7 +146,8 @@ def collect(model, batch, loss_fn=None, *, steps: int = 1, optimizer=None, measu
         for d, flag in fresh:
             d._fresh_grad = flag
     return [Observation(layer.name, kind, found[layer.name, kind][0].merge(*found[layer.name, kind][1:]),
-                        _blocks.merged(meter.parts, (layer.name, kind)))
+                        {**_blocks.merged(meter.parts, (layer.name, kind)),
+                         **_blocks.merged(recipe.meter.parts, (layer.name, kind))})
             for layer in table for kind in KINDS if found.get((layer.name, kind))]  # fmt: skip
 
 
@@ -195,11 +202,11 @@ class _Sandbox:
             self.trainer_state.restore()
 
 
-def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch, meter) -> dict[int, LogHistogram]:
-    """Forward and backward with taps, then the histograms; returns each layer parameter's weight
-    histogram by id. The binning waits for MXNet's queued work (``mx.nd.waitall``): run at once,
-    MXNet's kernels and numpy's binning (and its Python, holding the GIL) slow each other down by
-    more than they overlap."""
+def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch, meters) -> dict[int, LogHistogram]:
+    """Forward and backward with taps, then the histograms and (``meters``: the block formats' and the
+    recipes') measurements; returns each layer parameter's weight histogram by id. The binning waits
+    for MXNet's queued work (``mx.nd.waitall``): run at once, MXNet's kernels and numpy's binning (and
+    its Python, holding the GIL) slow each other down by more than they overlap."""
     layer_params = list({id(p): p for layer in table for p in layer.params}.values())
     weights = {i: sandbox.binned.pop(i) for p in layer_params if (i := id(p)) in sandbox.binned}
     weights.update((id(p), histogram(p.data(), scratch)) for p in layer_params if id(p) not in weights)
@@ -207,8 +214,10 @@ def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch, meter) ->
     for layer in table:
         found[layer.name, "weight"] += [weights[id(p)] for p in layer.params]
         for p in layer.params:
-            meter.add(layer.name, "weight", p.data())
+            for meter in meters:
+                meter.add(layer.name, "weight", p.data())
     taps.clear()
+    meters[1].fed.clear()
     with autograd.record(train_mode=True):
         loss = _loss(model, batch, loss_fn)
     for p in sandbox.params:
@@ -220,17 +229,19 @@ def _step(model, batch, loss_fn, table, sandbox, found, taps, scratch, meter) ->
                 g[:] = 0
     _backward(loss)
     mx.nd.waitall()
-    for name, out, z in taps:
+    for name, out, z, tapped in taps:
         found[name, "output"].append(histogram(out, scratch))
-        meter.add(name, "output", out)
+        meters[0].add(name, "output", out)
+        meters[1].add(name, "output", out, fed_as=tapped)
         if z._fresh_grad:
             found[name, "grad_output"].append(histogram(z.grad, scratch))
-            meter.add(name, "grad_output", z.grad)
+            for meter in meters:
+                meter.add(name, "grad_output", z.grad)
     for layer in table:
         grads = [p.grad() for p in layer.params if p.grad_req != "null" and p.data()._fresh_grad]
         found[layer.name, "grad_weight"] += [histogram(g, scratch) for g in grads]
         for g in grads:
-            meter.add(layer.name, "grad_weight", g)
+            meters[0].add(layer.name, "grad_weight", g)
     return weights
 
 
@@ -280,9 +291,9 @@ def _gradient_buffer(x, grad_req: str):
     return mx.nd.zeros(x.shape, ctx=x.context, dtype=x.dtype, stype=x.stype)
 
 
-def _tapped(name: str, forward, taps, addends: _Addends):
+def _tapped(name: str, forward, taps, addends: _Addends, fed: list | None = None):
     """``forward`` that keeps each floating output (in ``taps``, binned after backward) and returns
-    it plus a -0.0 gradient tap (``addends``)."""
+    it plus a -0.0 gradient tap (``addends``); ``fed``: a list its first argument is appended to."""
 
     def tap(out):
         if isinstance(out, (list, tuple)):
@@ -290,10 +301,12 @@ def _tapped(name: str, forward, taps, addends: _Addends):
         if not isinstance(out, mx.nd.NDArray) or dtype_name(out.dtype) not in _WIDTHS:
             return out
         tapped, z = addends(out)
-        taps.append((name, out, z))
+        taps.append((name, out, z, tapped))
         return tapped
 
     def tapped(*args):
+        if fed is not None and args:
+            fed.append(args[0])
         return tap(forward(*args))
 
     return tapped
