@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: 2.13.0 is the CPU wheel; any other version pulls a CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[fast,torch,tensorflow,jax,dev,bench,compare,doctor,models]"
+	$(PY) -m pip install --quiet -e ".[fast,torch,tensorflow,jax,dev,bench,compare,doctor,models,hosts]"
 	# keras-hub without tensorflow-text (pyproject.toml, the models extra)
 	$(PY) -m pip install --quiet --no-deps "keras-hub>=0.32,<0.33" kagglesdk
 	touch $(STAMP)

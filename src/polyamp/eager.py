@@ -120,9 +120,15 @@ class EagerMixedPrecision(MixedPrecision):
 
     def backward(self, loss: Any, **kwargs) -> None:
         """Backpropagate ``loss * scale``; call once per micro-batch to accumulate gradients."""
+        self.backward_tensor(loss).backward(**kwargs)
+
+    def backward_tensor(self, loss: Any) -> Any:
+        """``loss * scale``, for a host that runs backward itself (Lightning's and Accelerate's plugins):
+        counted as one ``mp.backward``, so the next ``mp.step`` knows its gradients are fresh."""
         self._check_mine(loss, "loss")
-        self.ops.scale_loss(loss, self.current_scale).backward(**kwargs)
+        out = self.ops.scale_loss(loss, self.current_scale)
         self._backwards += 1
+        return out
 
     def step(self, optimizer: Any, batch_size: int | None = None, clip_grad_norm: float | None = None
              ) -> StepResult:  # fmt: skip
