@@ -9,6 +9,7 @@ in Lightning-AI/pytorch-lightning)."""
 
 
 import pytest
+from docs_example import run_example
 from frameworks import require
 
 torch = require("torch")
@@ -302,17 +303,6 @@ def test_ddp_ranks_skip_the_same_step_and_keep_one_scale():
     assert ranks == {0: want, 1: want}
 
 
-def test_the_docs_example_runs():
+def test_the_docs_example_runs(tmp_path):
     """docs/lightning.md's example, run here: what it prints is what the page says."""
-    import contextlib
-    import io
-    import re
-    from pathlib import Path
-
-    page = (Path(__file__).resolve().parents[1] / "docs" / "lightning.md").read_text(encoding="utf-8")
-    (code,) = re.findall(r"^```python\n# framework: torch\n(.*?)^```", page, re.M | re.S)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, "docs/lightning.md", "exec"), {"__name__": "docs_example"})
-    said = re.search(r"print\(.*\)  # (\S+) (\d+)", code)
-    assert out.getvalue().splitlines()[-1].split()[:2] == [said[1], said[2]]
+    run_example("lightning.md", "torch", tmp_path)
