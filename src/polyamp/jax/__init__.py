@@ -49,6 +49,7 @@ from ..scaling import COUNTERS, LossScaleState, NoLossScale
 from . import autocast as _autocast
 from . import recipe_state as _recipe_state
 from .autocast import DEFAULT_RULES, AutocastRules, check_arguments
+from .nnx import update_if_finite
 from .recipe_state import RecipeState, keeps_state
 from .tree import all_finite, cast_tree, eval_shape, is_array, select_tree, split_static, step_if_finite
 
@@ -335,4 +336,4 @@ def _probe(dtype: str, backend: str) -> None:
 
 
 __all__ = ["DEFAULT_RULES", "AutocastRules", "MixedPrecision", "RecipeState", "RecipeStepState", "all_finite",
-           "cast_tree", "select_tree", "step_if_finite"]  # fmt: skip
+           "cast_tree", "select_tree", "step_if_finite", "update_if_finite"]  # fmt: skip
