@@ -306,3 +306,36 @@ def test_ddp_ranks_skip_the_same_step_and_keep_one_scale():
 def test_the_docs_example_runs(tmp_path):
     """docs/lightning.md's example, run here: what it prints is what the page says."""
     run_example("lightning.md", "torch", tmp_path)
+
+
+# -- tests_pytorch/plugins/precision/test_amp_integration.py, on the CPU ------------------------------------
+def test_a_skipped_training_step_skips_the_unscale_and_the_step():
+    """Lightning: test_skip_training_step_with_grad_scaler (a training step returning None)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Skipping(BoringModel):
+        def training_step(self, batch, batch_idx):
+            return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+    plugin = Precision("fp16-mixed", device="cpu")
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, gradient_clip_val=0.5, plugins=[plugin],
+                        barebones=True)  # fmt: skip
+    trainer.fit(Skipping())
+    assert plugin.mp.state.steps == 3  # batches 0, 2 and 4 unscaled, checked and stepped (or skipped)
+
+
+def test_fused_and_plain_adam_train_alike():
+    """Lightning: test_amp_fused_optimizer_parity (there on CUDA with a GradScaler; here on the CPU)."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    def run(fused: bool):
+        L.seed_everything(1234)
+        model = BoringModel()
+        model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), lr=1.0, fused=fused)
+        trainer = L.Trainer(accelerator="cpu", max_steps=5, plugins=[Precision("fp16-mixed", device="cpu")],
+                            barebones=True)  # fmt: skip
+        trainer.fit(model)
+        return list(model.parameters())
+
+    for p, q in zip(run(False), run(True)):
+        torch.testing.assert_close(p, q)
