@@ -14,7 +14,7 @@ import pytest
 # tests are installed by the Makefile with their framework; timm, in an environment of its own, is
 # requested by name: POLYAMP_TEST_FRAMEWORKS=torch,timm)
 _REQUESTED_AS = {"keras": "tensorflow", "keras_hub": "tensorflow", "transformers": "torch", "flax": "jax",
-                 "equinox": "jax"}
+                 "equinox": "jax", "lightning": "torch", "accelerate": "torch"}
 
 
 # what a polyamp record's error says where MXNet computes no bf16 (a CPU without AVX-512:
