@@ -2,6 +2,8 @@
 the numpy core for every format, rounding, saturate, input dtype, block format, scale rule and axis,
 eagerly and under ``jax.jit``; JAX arrays in and out; the core's errors."""
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -128,43 +130,63 @@ def block_sample(dtype, shape=(37, 70), seed=1) -> np.ndarray:
         return x.astype(dtype)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["float32", "float16", "bfloat16"])
+DTYPES = (np.float32, np.float16, BF16)
+
+
+def mx_cases(fmt):
+    """(rule, dtype, axis, rounding) for ``fmt``: every format with every scale rule (a distinct scale
+    computation each, as the rules compare with the format's own Fmax and mantissa width), and the input
+    dtype, blocked axis and rounding spread over those 20 cases so that each pair of values of any two of
+    the five factors (format, rule, dtype, axis, rounding) occurs at least once (each case compiles once;
+    ``test_the_mx_cases_cover_every_pair`` checks the design)."""
+    f = MX.index(fmt)
+    return [(rule, DTYPES[(f + r) % 3], (-1, 0)[(f + r) % 2], ("nearest", "stochastic")[(f + r // 2) % 2])
+            for r, rule in enumerate(RULES)]  # fmt: skip
+
+
+def test_the_mx_cases_cover_every_pair():
+    rows = [(fmt, *case) for fmt in MX for case in mx_cases(fmt)]
+    levels = [MX, RULES, DTYPES, (-1, 0), ("nearest", "stochastic")]
+    for i, j in itertools.combinations(range(5), 2):
+        assert {(row[i], row[j]) for row in rows} == set(itertools.product(levels[i], levels[j])), (i, j)
+
+
 @pytest.mark.parametrize("fmt", MX)
-def test_mx_blocks_match_core(dtype, fmt):
-    x = block_sample(dtype)
-    xj = jnp.asarray(x)
-    cases = [(rule, axis, r) for rule in RULES for axis in (-1, 0) for r in ("nearest", "stochastic")]
-    if dtype != np.float32:  # each case compiles once: every rule along -1, the other axis and rounding once
-        cases = [(rule, -1, "nearest") for rule in RULES]
-        cases += [("floor", 0, "nearest"), ("even", -1, "stochastic")]
-    for rule, axis, rounding in cases:
+def test_mx_blocks_match_core(fmt):
+    for rule, dtype, axis, rounding in mx_cases(fmt):
+        x = block_sample(dtype)
         kw = dict(axis=axis, scale_rule=rule, rounding=rounding, seed=5 if rounding == "stochastic" else None)
-        same_bits(pa.quantize_blocks(xj, fmt, **kw), pa.quantize_blocks(x, fmt, **kw))
+        same_bits(pa.quantize_blocks(jnp.asarray(x), fmt, **kw), pa.quantize_blocks(x, fmt, **kw))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16"])
 def test_nvfp4_blocks_match_core(dtype):
+    """float32: every layout (1x16 along either axis, 16x16 tiles in either order) rounding to nearest,
+    two of them stochastically; float16 and bfloat16 (the input's decomposition): a 1x16 and a tile
+    layout, one rounding to nearest and one stochastically, the other way round for the other (each
+    case compiles once)."""
     x = block_sample(dtype)
     xj = jnp.asarray(x)
-    cases = [(16, -1, "nearest"), (16, -1, "stochastic"), ((16, 16), (-2, -1), "nearest")]
-    if dtype == np.float32:  # each case compiles once: the other axes only for float32
-        cases += [(16, 0, "nearest"), (16, 0, "stochastic"), ((16, 16), (1, 0), "nearest"),
-                  ((16, 16), (-2, -1), "stochastic"), ((16, 16), (1, 0), "stochastic")]  # fmt: skip
+    if dtype == np.float32:
+        cases = [(16, -1, "nearest"), (16, 0, "nearest"), ((16, 16), (-2, -1), "nearest"),
+                 ((16, 16), (1, 0), "nearest"), (16, 0, "stochastic"),
+                 ((16, 16), (1, 0), "stochastic")]  # fmt: skip
+    else:
+        first, second = ("nearest", "stochastic") if dtype == BF16 else ("stochastic", "nearest")
+        cases = [(16, -1, first), ((16, 16), (-2, -1), second)]
     for block, axis, rounding in cases:
         kw = dict(axis=axis, block=block, rounding=rounding, seed=9 if rounding == "stochastic" else None)
         same_bits(pa.quantize_blocks(xj, "nvfp4", **kw), pa.quantize_blocks(x, "nvfp4", **kw))
-    if dtype == np.float32:
-        tiny = np.full((2, 16), 1e-44, np.float32)  # s_global underflows to 2^-149
-        same_bits(pa.quantize_blocks(jnp.asarray(tiny), "nvfp4"), pa.quantize_blocks(tiny, "nvfp4"))
-        zeros = np.zeros((3, 20), np.float32)
-        same_bits(pa.quantize_blocks(jnp.asarray(zeros), "nvfp4"), pa.quantize_blocks(zeros, "nvfp4"))
 
 
 def nvfp4_edges() -> list[np.ndarray]:
     """float32 arrays for NVFP4's edges: s_global 1 with blocks of amax 6, 9 and 6.375 (s_block 1, 1.5 and the
     e4m3 tie 1.0625 -> 1) holding the e2m1 midpoints times s_block; a full 24-bit s_global with float32
     neighbours of those products; a bad block whose finite element sets s_global; s_global tiny (2^-149,
-    subnormal) and near float32's max; random bit patterns; zeros and -0; NaN; a partial block."""
+    subnormal, also for a tensor of one value) and near float32's max; random bit patterns; zeros and
+    -0; NaN; all zeros (s_global 1). Each zero padded to 48x48 (whole blocks of zeros: no block's amax
+    changes, nor s_global), so that one compilation per layout serves them all; partial blocks are
+    ``test_nvfp4_blocks_match_core``'s."""
     mids = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 3.0, 4.0, 0.0, 1.0, 2.0, 0.1, 4.5, 5.5])
     ties = np.zeros((48, 32))
     for i, (s, top) in enumerate([(1.0, 6.0), (1.5, 9.0), (1.0, 6.375)] * 16):
@@ -183,9 +205,9 @@ def nvfp4_edges() -> list[np.ndarray]:
     raw = rng.integers(0, 1 << 32, (32, 48), dtype=np.uint64).astype(np.uint32).view(np.float32)
     out = [ties, near, bad, raw, rng.standard_normal((32, 32)) * 1e-44, rng.standard_normal((32, 32)) * 1e-36,
            rng.standard_normal((32, 32)) * 3e38, np.where(np.arange(32 * 32).reshape(32, 32) % 3, 0.0, -0.0),
-           np.full((16, 16), np.nan), block_sample(np.float32)]  # fmt: skip
+           np.full((16, 16), np.nan), np.full((2, 16), 1e-44), np.zeros((3, 20))]  # fmt: skip
     with np.errstate(over="ignore"):
-        return [a.astype(np.float32) for a in out]
+        return [np.pad(a, [(0, 48 - a.shape[0]), (0, 48 - a.shape[1])]).astype(np.float32) for a in out]
 
 
 def test_nvfp4_nearest_float32_edges_match_core():
@@ -196,8 +218,8 @@ def test_nvfp4_nearest_float32_edges_match_core():
         for block, axis in cases:
             same_bits(pa.quantize_blocks(xj, "nvfp4", axis=axis, block=block),
                       pa.quantize_blocks(x, "nvfp4", axis=axis, block=block))  # fmt: skip
-    cube = nvfp4_edges()[3].reshape(2, 16, 48)
-    for block, axis in ((16, 1), ((16, 16), (0, 2)), ((16, 16), (2, 1))):
+    cube = nvfp4_edges()[3][:32].reshape(2, 16, 48)  # tiles over (0, 2): test_blocks_under_jit_and_3d
+    for block, axis in ((16, 1), ((16, 16), (2, 1))):
         same_bits(pa.quantize_blocks(jnp.asarray(cube), "nvfp4", axis=axis, block=block),
                   pa.quantize_blocks(cube, "nvfp4", axis=axis, block=block))  # fmt: skip
 
@@ -215,10 +237,11 @@ def test_blocks_float64_match_core():
 
 
 def test_blocks_under_jit_and_3d():
+    """Traced inside a caller's jit (the float64 route's scoped x64 in another trace): an MX format
+    rounding stochastically along a middle axis, and NVFP4 tiles over two non-adjacent axes."""
     x = block_sample(np.float32, shape=(33, 40))[None].repeat(3, 0)
     for fmt, kw in (("mxfp8_e4m3", dict(axis=1, scale_rule="rceil", rounding="stochastic", seed=2)),
-                    ("mxfp4", dict(axis=-1)), ("nvfp4", dict(block=(16, 16), axis=(0, 2))),
-                    ("nvfp4", dict(rounding="stochastic", seed=1))):  # fmt: skip
+                    ("nvfp4", dict(block=(16, 16), axis=(0, 2), rounding="stochastic", seed=1))):  # fmt: skip
         f = jax.jit(lambda v, fmt=fmt, kw=kw: pa.quantize_blocks(v, fmt, **kw))
         same_bits(f(jnp.asarray(x)), pa.quantize_blocks(x, fmt, **kw))
 
@@ -227,9 +250,10 @@ def test_blocks_under_jit_and_3d():
 def test_dispatch_returns_jax_arrays():
     x = jnp.linspace(-3, 3, 64, dtype=jnp.float32)
     assert isinstance(pa.quantize(x, "e4m3fn"), jax.Array)
+    x = jnp.asarray(block_sample(np.float32))  # the shape and arguments of a case above: no new compilation
     out = pa.quantize_blocks(x, "mxfp8_e4m3")
-    assert isinstance(out, jax.Array) and out.dtype == jnp.float32 and out.shape == (64,)
-    assert pa.quantize_blocks(jnp.ones((2, 16), jnp.bfloat16), "nvfp4").dtype == jnp.float32
+    assert isinstance(out, jax.Array) and out.dtype == jnp.float32 and out.shape == x.shape
+    assert pa.quantize_blocks(x.astype(jnp.bfloat16), "nvfp4").dtype == jnp.float32
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,14 @@ from polyamp.numerics import hadamard_tiles  # noqa: E402
 from polyamp.recipe_layers import RecipeWarning  # noqa: E402
 
 JAX_RECIPES = ["fp8-tensorwise", "mxfp8", "mxfp8:scale_rule=floor", "nvfp4:grad_rounding=nearest"]
+# one recipe of each kind the GEMMs treat differently: per-tensor scales, MX blocks (1-d weights, blocked
+# again along N for the input gradient), NVFP4 (16x16 weight tiles). A scale rule only travels through
+# ``jr.quantize`` to the blocks: ``test_each_operand_is_quantized_as_the_core_does`` takes both MX rules
+KINDS = ["fp8-tensorwise", "mxfp8", "nvfp4:grad_rounding=nearest"]
+# the operands' shapes of ``test_forward_and_both_gradients_are_the_quantized_gemms``: x [2, 16, 64] (x2
+# [32, 64] flattened), w [64, 96], g [32, 96]; the other tests quantize these shapes too where the shape
+# is not what they are about, so that each quantizer compiles once for the module
+X3, X2, W, G = (2, 16, 64), (32, 64), (64, 96), (32, 96)
 
 
 def same(got, want) -> bool:
@@ -48,17 +56,20 @@ def test_current_scale_equals_the_core(amax, fmt, margin):
 def test_tensorwise_equals_the_core(fmt):
     x = wide((64, 96), 1)
     x[0, :6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-42]
+    # compiled, where XLA would turn the division by the scale into a product with its reciprocal (the
+    # eager path: test_each_operand_is_quantized_as_the_core_does)
+    f = jax.jit(jr.tensorwise, static_argnums=1)
     for t in (x, x[1:], x[1:] * 2.0**-100, np.zeros((3, 4), np.float32)):
         amax = float(np.max(np.abs(t))) if t.size else 0.0
         want = recipes.quantize_tensorwise(t, fmt, recipes.current_scale(amax, fmt))
-        assert same(jr.tensorwise(jnp.asarray(t), fmt), want)
+        assert same(f(jnp.asarray(t), fmt), want)
 
 
 @pytest.mark.parametrize("spec", JAX_RECIPES)
 @pytest.mark.parametrize("operand", ["input", "weight", "grad"])
 def test_each_operand_is_quantized_as_the_core_does(spec, operand):
     r = recipes.parse_recipe(spec)
-    x = wide((64, 128), 2)
+    x = wide({"input": X2, "weight": W, "grad": G}[operand], 2)
     x[3, :40] = 0.0
     for axis in (-1, 0):
         got = jr.quantize(jnp.asarray(x), r, operand, axis)
@@ -72,10 +83,22 @@ def test_each_operand_is_quantized_as_the_core_does(spec, operand):
         assert same(got, want), (axis, operand)
 
 
-@pytest.mark.parametrize("spec", [*JAX_RECIPES, "nvfp4:grad_rounding=nearest:hadamard=true"])
+def test_a_transposed_operand_rounded_to_nearest_is_the_same_program():
+    """Only stochastic rounding indexes a transposed operand's elements as its transpose's: rounded to
+    nearest, ``transposed=True`` is blocking along axis 0, values and compilation alike."""
+    from polyamp.jax import blocks64
+
+    r = recipes.parse_recipe("mxfp8")
+    w = jnp.asarray(wide((48, 80), 8))  # a shape no other test quantizes
+    before = blocks64.values_jit._cache_size()
+    assert same(jr.quantize(w, r, "weight", -1, transposed=True), jr.quantize(w, r, "weight", 0))
+    assert blocks64.values_jit._cache_size() <= before + 1  # (before: a program for each)
+
+
+@pytest.mark.parametrize("spec", [*KINDS, "nvfp4:grad_rounding=nearest:hadamard=true"])
 def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
     r = recipes.parse_recipe(spec)
-    x, w, g = wide((2, 16, 64), 3).reshape(2, 16, 64), wide((64, 96), 4) / 8, wide((32, 96), 5)
+    x, w, g = wide(X3, 3), wide(W, 4) / 8, wide(G, 5)
     f32 = jnp.float32
     fn = jr.dot(r, f32, f32, f32)
     y, vjp = jax.vjp(fn, jnp.asarray(x), jnp.asarray(w))
@@ -132,15 +155,19 @@ def test_the_keep_list_names_scopes_and_keeps_first_and_last_by_default():
     def loss_under(policy):  # compiled: one program instead of op-by-op dispatch
         return jax.jit(pa.MixedPrecision(policy, framework="jax").autocast(loss_fn))(small, x, y)
 
-    plain, kept, everything = loss_under("bf16-mixed"), loss_under("mxfp8"), loss_under("mxfp8:keep=")
+    # the keep list is the recipes' own, whatever they quantize with: per-tensor scales compile fastest
+    plain, kept = loss_under("bf16-mixed"), loss_under("fp8-tensorwise")
+    everything = loss_under("fp8-tensorwise:keep=")
     assert float(kept) == float(plain) and float(everything) != float(plain)
 
 
-@pytest.mark.parametrize("spec", JAX_RECIPES)
+# a recipe without state, through jax.value_and_grad: MX blocks (the dense layers' only MX training; NVFP4
+# and delayed scaling, per-tensor scales from a history, train in the test below)
+@pytest.mark.parametrize("spec", ["mxfp8"])
 def test_each_recipe_trains_under_jit(spec):
     mp = pa.MixedPrecision(spec, framework="jax")
     f = mp.autocast(loss_fn)
-    p = init([16, 48, 48, 48, 4])
+    p = init([16, 48, 48, 4])  # fc1 quantized, the first and the last layer kept
     opt = optax.adam(1e-2)
     s = opt.init(p)
 
@@ -181,15 +208,21 @@ def test_hadamard_tiles_carry_specials_as_the_core_does():
     # NaN and inf spoil their tile; sums past float32's range overflow to inf; -0.0 and partial tiles
     x = np.float32([1, np.inf, 3, np.nan, 0, -0.0, 3e38, 3e38, 2, 2, 2, 2, 2, 2, 2, 2, 3e38, 3e38, 3e38,
                     3e38, 1, -0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -0.0, 0.5, 0.25])  # fmt: skip
+    f = jax.jit(jr.hadamard_tiles)  # one program per shape, not one per operation
     for v in (x, -x, x[16:], np.full(16, -0.0, np.float32)):
-        assert same(jr.hadamard_tiles(jnp.asarray(v)), hadamard_tiles(v))
+        assert same(f(jnp.asarray(v)), hadamard_tiles(v))
 
 
 # -- recipes that keep state: delayed scaling, stochastic rounding ----------------------------------------
-STATEFUL = ["fp8-delayed", "fp8-delayed:history_len=3:amax_compute_algo=most_recent:margin=1", "nvfp4",
-            "fp8-tensorwise:grad_rounding=stochastic",
+# the seeds' layouts: delayed scales (no seeds); per-tensor stochastic gradients (one seed per backward);
+# NVFP4 with 16x16 weights (three backward seeds); MX and NVFP4 with 1-d weights rounding the forward
+# stochastically too (two forward, four backward seeds). A history length, amax algorithm or margin only
+# changes the delayed update (test_the_delayed_update_is_the_cores_step_for_step); Hadamard tiles only the
+# wgrad operands (test_forward_and_both_gradients_are_the_quantized_gemms; with seeds, under jit,
+# test_steps_draw_the_seeds_and_scales_of_torchs_recipe)
+STATEFUL = ["fp8-delayed", "fp8-tensorwise:grad_rounding=stochastic", "nvfp4",
             "mxfp8:forward_rounding=stochastic:grad_rounding=stochastic",
-            "nvfp4:weight_2d=false:forward_rounding=stochastic", "nvfp4:hadamard=true"]  # fmt: skip
+            "nvfp4:weight_2d=false:forward_rounding=stochastic"]  # fmt: skip
 
 
 @pytest.mark.parametrize("calls", [0, 1, 41, 2**32 - 3, 2**32 - 1])
@@ -261,35 +294,46 @@ def stateful_reference(r, x, w, g, calls, n, j, scales=(None, None, None)):
 
 
 @pytest.mark.parametrize("spec", STATEFUL)
-@pytest.mark.parametrize("j", [0, 2])
-def test_a_stateful_matmul_is_the_quantized_gemms_with_torchs_seeds(spec, j):
+def test_a_stateful_matmul_is_the_quantized_gemms_with_torchs_seeds(spec):
+    """Matmuls 0 and 2 of 3, the counter wrapping within the step's positions: bit for bit, eagerly (the
+    two share their compiled quantizers); matmul 0 also under jit, the counter traced. The block
+    quantizer is one jitted program taking the seed's key as an argument in both cases, and compiles
+    slowly inlined in another: block recipes' seeds under jit are
+    test_steps_draw_the_seeds_and_scales_of_torchs_recipe's (NVFP4) and test_jax_quantize.py's
+    test_blocks_under_jit_and_3d (MX, stochastic)."""
     r = recipes.parse_recipe(spec)
-    x, w, g = wide((2, 16, 64), 13), wide((64, 96), 14) / 8, wide((32, 96), 15)
+    x, w, g = wide(X3, 13), wide(W, 14) / 8, wide(G, 15)
     calls, n = 2**32 - 9, 3  # the counter wraps within the step's positions
-    run = rs.Run(r, jnp.uint32(calls), {})
-    run.count, run.closed = n, True
     scales = (np.float32(16.0), np.float32(2.0), np.float32(0.5)) if r.kind == "delayed" else (None,) * 3
     f32 = jnp.float32
-    fn = jr.dot(r, f32, f32, f32, run, j)
     svals = [jnp.float32(1.0 if s is None else s) for s in scales]
-
-    def forward_and_back(x, w, g, c):
-        y, vjp = jax.vjp(lambda a, b, *s: fn(a, b, *s, c), x, w, *svals)
-        return y, *vjp(g)
-
     args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(g).reshape(2, 16, 96), jnp.uint32(calls))
-    y, dx, dw, *amaxes = forward_and_back(*args)
-    want = stateful_reference(r, x, w, g, calls, n, j, scales)
-    assert same(y, want[0]) and same(dx, want[1]) and same(dw, want[2])
-    # under jit XLA may sum the products in another order: the same up to that
-    for got, ref in zip(jax.jit(forward_and_back)(*args), want):
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
-    if r.kind == "delayed":  # the amaxes come back as the scales' cotangents
-        assert [float(a) for a in amaxes] == [float(np.abs(t).max()) for t in (x, w, g)]
+
+    def of_matmul(j):
+        run = rs.Run(r, jnp.uint32(calls), {})
+        run.count, run.closed = n, True
+        fn = jr.dot(r, f32, f32, f32, run, j)
+
+        def forward_and_back(x, w, g, c):
+            y, vjp = jax.vjp(lambda a, b, *s: fn(a, b, *s, c), x, w, *svals)
+            return y, *vjp(g)
+
+        return forward_and_back
+
+    for j in (0, 2):
+        forward_and_back = of_matmul(j)
+        y, dx, dw, *amaxes = forward_and_back(*args)
+        want = stateful_reference(r, x, w, g, calls, n, j, scales)
+        assert same(y, want[0]) and same(dx, want[1]) and same(dw, want[2]), j
+        if j == 0 and r.kind != "block":  # under jit XLA may sum the products in another order
+            for got, ref in zip(jax.jit(forward_and_back)(*args), want):
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+        if r.kind == "delayed":  # the amaxes come back as the scales' cotangents
+            assert [float(a) for a in amaxes] == [float(np.abs(t).max()) for t in (x, w, g)]
 
 
 def test_different_steps_round_differently_and_the_same_step_the_same():
-    r = recipes.get_recipe("nvfp4")
+    r = recipes.parse_recipe("fp8-tensorwise:grad_rounding=stochastic")  # the seeds are every kind's
     x, w, g = wide((32, 64), 16), wide((64, 32), 17), wide((32, 32), 18)
 
     @jax.jit  # the step counter traced: one program for every step
@@ -321,23 +365,27 @@ def batches(n, seed=1):
         yield x, np.sin(x[:, :4])
 
 
-@pytest.mark.parametrize("spec", [*STATEFUL[:4], STATEFUL[-1]])
+@pytest.mark.parametrize("spec", ["fp8-delayed", "nvfp4"])
 def test_each_stateful_recipe_trains_under_jit_through_mp_value_and_grad(spec):
+    """Delayed scales and NVFP4's stochastic rounding (the two kinds of state; per-tensor stochastic
+    rounding's seeds: test_a_stateful_cnn_step_counts_each_convolution_as_a_matmul) train; the state
+    made from the function (one compilation; ``mp.init()``'s empty one fills in at the first step:
+    test_delayed_training_steps_are_the_cores_step_for_step)."""
     mp = pa.MixedPrecision(spec, framework="jax")
     f = mp.autocast(loss_fn)
-    p, opt = init([16, 48, 48, 48, 4]), optax.adam(1e-2)
-    s, state = opt.init(p), mp.init()
+    p, opt = init([16, 48, 48, 4]), optax.adam(1e-2)
+    s, state = opt.init(p), mp.init(f, p, *next(batches(1)))
     step = stateful_step(mp, f, opt)
     losses = []
     for x, y in batches(60):
         p, s, state, loss = step(p, s, state, x, y)
         losses.append(float(loss))
     assert np.mean(losses[-10:]) < 0.2 * losses[0]
-    # fc1 and fc2 are quantized (fc0 and fc3 kept): 60 steps of their calls
-    assert int(state.recipe.calls) == 60 * 2 * sum(rs.calls_per_matmul(mp.recipe))
+    # fc1 is quantized (fc0 and fc2 kept): 60 steps of its calls
+    assert int(state.recipe.calls) == 60 * sum(rs.calls_per_matmul(mp.recipe))
     delayed = state.recipe.delayed
     if mp.recipe.kind == "delayed":
-        assert sorted(delayed) == [f"fc{i}|{op}" for i in (1, 2) for op in ("grad", "input", "weight")]
+        assert sorted(delayed) == [f"fc1|{op}" for op in ("grad", "input", "weight")]
         assert all(int(e["steps"]) == 60 and float(e["scale"]) not in (0.0, 1.0) for e in delayed.values())
     else:
         assert delayed == {}
@@ -372,11 +420,14 @@ def test_delayed_training_steps_are_the_cores_step_for_step():
             assert float(e["scale"]) == float(ds[op].scale) and same(e["history"], ds[op].history), (k, op)
 
 
-@pytest.mark.parametrize("spec", ["fp8-delayed:history_len=4", "nvfp4"])
-def test_a_resumed_run_continues_bit_for_bit(spec):
+def test_a_resumed_run_continues_bit_for_bit():
     """Three steps, saved as JSON; three more steps in the same run, and in a new MixedPrecision that
-    loads the saved state: the same parameters, optimizer state and recipe state."""
+    loads the saved state: the same parameters, optimizer state and recipe state. Delayed scaling with
+    stochastic gradients: both parts of a recipe's state, the amax histories and the seeds' counter
+    (the state is the same for every recipe kind)."""
     import json
+
+    spec = "fp8-delayed:history_len=4:grad_rounding=stochastic"
 
     def run(steps, step, p, s, state):
         for x, y in steps:
@@ -386,13 +437,15 @@ def test_a_resumed_run_continues_bit_for_bit(spec):
     opt = optax.adam(1e-2)
     data = list(batches(6, seed=3))
     first = pa.MixedPrecision(spec, framework="jax")
-    p0 = init([16, 32, 32, 32, 4])
-    step = stateful_step(first, first.autocast(loss_fn), opt)
-    p, s, state = run(data[:3], step, p0, opt.init(p0), first.init())
+    p0 = init([16, 32, 32, 4])
+    f = first.autocast(loss_fn)
+    step = stateful_step(first, f, opt)
+    p, s, state = run(data[:3], step, p0, opt.init(p0), first.init(f, p0, *data[0]))
     first.sync(state)
     saved = json.loads(json.dumps(first.state_dict()))
     assert saved["recipe"]["name"] == recipes.recipe_spec(first.recipe)
     assert saved["recipe"]["state"]["calls"] > 0
+    assert sorted(saved["recipe"]["state"]["delayed"]) == [f"fc1|{op}" for op in ("grad", "input", "weight")]
     whole = run(data[3:], step, p, s, state)
     second = pa.MixedPrecision(spec, framework="jax")
     second.load_state_dict(saved)
@@ -424,7 +477,9 @@ def test_a_recipe_state_that_does_not_fit_is_refused():
     assert int(state.recipe.calls) == 7 and float(state.recipe.delayed["fc1|input"]["scale"]) == 2.0
 
 
-@pytest.mark.parametrize(("spec", "plain"), [("nvfp4:keep=", "nvfp4:keep=:grad_rounding=nearest"),
+# stochastic rounding (here of the forward, which then rounds to nearest) and delayed scaling (then current)
+@pytest.mark.parametrize(("spec", "plain"), [("fp8-tensorwise:forward_rounding=stochastic:keep=",
+                                              "fp8-tensorwise:keep="),
                                              ("fp8-delayed:keep=", "fp8-tensorwise:keep=")])  # fmt: skip
 def test_outside_its_step_a_stateful_recipe_evaluates_without_state_and_refuses_gradients(spec, plain):
     mp = pa.MixedPrecision(spec, framework="jax")
@@ -438,9 +493,9 @@ def test_outside_its_step_a_stateful_recipe_evaluates_without_state_and_refuses_
 def test_init_with_the_function_makes_the_final_state_for_an_ahead_of_time_compiled_step():
     mp = pa.MixedPrecision("fp8-delayed:keep=first", framework="jax")
     f, opt = mp.autocast(loss_fn), optax.adam(1e-2)
-    p, (x, y) = init([16, 32, 32, 4]), next(batches(1))
+    p, (x, y) = init([16, 32, 4]), next(batches(1))
     state = mp.init(f, p, x, y)
-    assert sorted(state.recipe.delayed) == [f"fc{i}|{op}" for i in (1, 2) for op in sorted(rs.OPERANDS)]
+    assert sorted(state.recipe.delayed) == [f"fc1|{op}" for op in sorted(rs.OPERANDS)]
     step = stateful_step(mp, f, opt).lower(p, opt.init(p), state, x, y).compile()
     p2, _, after, _ = step(p, opt.init(p), state, x, y)
     assert jax.tree.structure(after) == jax.tree.structure(state)
@@ -448,7 +503,7 @@ def test_init_with_the_function_makes_the_final_state_for_an_ahead_of_time_compi
 
 
 def test_a_stateful_recipe_inside_a_loop_or_with_a_wrong_state_is_one_clear_error():
-    mp = pa.MixedPrecision("nvfp4:keep=", framework="jax")
+    mp = pa.MixedPrecision("fp8-tensorwise:grad_rounding=stochastic:keep=", framework="jax")
     p, x, y = init([16, 16, 4]), jnp.ones((8, 16)), jnp.ones((8, 4))
 
     def looped(p, x, y):
@@ -493,8 +548,14 @@ def test_amaxes_are_all_reduced_over_the_data_parallel_axis(reduce_amax):
         assert not same(after["fc0|input"]["scale"][0], after["fc0|input"]["scale"][1])
 
 
-@pytest.mark.parametrize("spec", ["nvfp4", "fp8-delayed:history_len=2", "nvfp4:weight_2d=false:hadamard=true",
-                                  "mxfp8:forward_rounding=stochastic:grad_rounding=stochastic"])  # fmt: skip
+# delayed scales; NVFP4 with its 16x16 weights (three backward seeds per matmul), the forward also
+# stochastic (two more) and Hadamard tiles: each block recipe compiles slowly. The 1-d weights' extra seed
+# (W^T for the input gradient, as torch/recipe.py draws it): bit for bit with MX and NVFP4 in
+# test_a_stateful_matmul_is_the_quantized_gemms_with_torchs_seeds
+TORCH_CASES = ["fp8-delayed:history_len=2", "nvfp4:hadamard=true:forward_rounding=stochastic"]
+
+
+@pytest.mark.parametrize("spec", TORCH_CASES)
 def test_steps_draw_the_seeds_and_scales_of_torchs_recipe(spec):
     """The same two-layer network in torch and JAX, three steps: the weight gradients agree up to the
     order XLA and torch sum products in (rounding with other seeds or scales moves them by ~10%)."""
@@ -547,7 +608,10 @@ def test_a_recipe_that_quantizes_nothing_warns_and_records_why():
     assert mp.recipe_layers.kept == {"fc0": "keep 'first'", "fc2": "keep 'last'"}
 
 
-@pytest.mark.parametrize("spec", JAX_RECIPES)
+# MX's blocks along K, which a wrongly transposed weight would change (the forms are found before a recipe
+# applies; per-tensor scales see no layout, and NVFP4's 16x16 weight tiles hold the same elements for W
+# and W^T)
+@pytest.mark.parametrize("spec", ["mxfp8"])
 def test_the_dense_forms_of_real_layers_are_the_same_quantized_gemm(spec):
     # Equinox's vmapped W @ x, x @ W.T, and an NNX LinearGeneral's 3-d kernel (before: run as bf16-mixed)
     eqx = require("equinox")

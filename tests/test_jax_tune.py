@@ -21,14 +21,17 @@ from polyamp.tune import Candidate  # noqa: E402
 from polyamp.tune.report import STATUSES  # noqa: E402
 
 
-def init(seed=0):
-    k = jax.random.split(jax.random.key(seed), 3)
-    return {"w1": jax.random.normal(k[0], (16, 32)) * 0.3, "b1": jnp.zeros(32),
-            "w2": jax.random.normal(k[1], (32, 4)) * 0.3}  # fmt: skip
+def init(seed=0):  # numpy's generator: jax.random.normal would compile a program per shape
+    rng = np.random.default_rng(seed)
+    return {"w1": jnp.asarray(rng.standard_normal((16, 32)) * 0.3, jnp.float32), "b1": jnp.zeros(32),
+            "w2": jnp.asarray(rng.standard_normal((32, 4)) * 0.3, jnp.float32)}  # fmt: skip
+
+
+BATCHES = [np.random.default_rng(100 + i).standard_normal((32, 16)).astype(np.float32) for i in range(4)]
 
 
 def batches(i):
-    x = jax.random.normal(jax.random.key(100 + i % 4), (32, 16))
+    x = jnp.asarray(BATCHES[i % 4])
     return x, jnp.sin(x[:, :4])
 
 

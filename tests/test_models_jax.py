@@ -251,7 +251,9 @@ def test_recipes_quantize_the_equinox_linear_and_conv_layers(name, eqx_bf16):
     make, batches = EQX_MODELS[name]
     layers = module_paths(make(), EQX_MATMULS)
     assert len(layers) == (4 if name == "mlp" else 3)
-    mp = pa.MixedPrecision("mxfp8" if name == "mlp" else "fp8-tensorwise", framework="jax")
+    # per-tensor scales compile fastest; the block layouts of eqx.nn.Linear's vmapped W @ x:
+    # test_jax_recipes.py::test_the_dense_forms_of_real_layers_are_the_same_quantized_gemm
+    mp = pa.MixedPrecision("fp8-tensorwise", framework="jax")
     quantized, _ = train_eqx(make(), mp.autocast(eqx_loss), batches, STEPS)
     check_record(mp.recipe_layers, layers, "layers.3" if name == "mlp" else "head")
     assert differs(weights(quantized), eqx_bf16[name][1])
@@ -280,7 +282,7 @@ RESUME = textwrap.dedent('''
         x = np.random.default_rng(i).standard_normal((8, 16)).astype(np.float32)
         return jnp.asarray(x), jnp.asarray(np.tanh(x[:, :4] * 2))
 
-    def train(mp, model, opt_state, state, steps):
+    def make_step(mp):
         vg = mp.value_and_grad(mp.autocast(loss))
 
         @eqx.filter_jit
@@ -289,6 +291,9 @@ RESUME = textwrap.dedent('''
             model, opt_state = step_if_finite(finite, OPT, grads, opt_state, model)
             return model, opt_state, state
 
+        return step
+
+    def train(step, model, opt_state, state, steps):
         for i in steps:
             model, opt_state, state = step(model, opt_state, state, *batch(i))
         return model, opt_state, state
@@ -313,7 +318,7 @@ RESUME = textwrap.dedent('''
 
     if __name__ == "__main__":
         mp, model, opt_state, state = resume(sys.argv[1])
-        model, _, state = train(mp, model, opt_state, state, range(2, 4))
+        model, _, state = train(make_step(mp), model, opt_state, state, range(2, 4))
         np.savez(sys.argv[2], *arrays(model), calls=np.asarray(mp.sync(state).steps))
 ''')
 
@@ -329,10 +334,11 @@ def test_an_equinox_checkpoint_resumes_bit_identically_in_a_new_process(tmp_path
     model = namespace["fresh"]()
     opt_state = namespace["OPT"].init(eqx.filter(model, eqx.is_array))
     state = mp.init(mp.autocast(namespace["loss"]), model, *namespace["batch"](0))
-    model, opt_state, state = namespace["train"](mp, model, opt_state, state, range(2))
+    step = namespace["make_step"](mp)  # one compilation for the four steps here
+    model, opt_state, state = namespace["train"](step, model, opt_state, state, range(2))
     namespace["save"](tmp_path / "ckpt.pkl", mp, model, opt_state, state)
     assert pickle.loads((tmp_path / "ckpt.pkl").read_bytes())["mp"]["recipe"]["state"]["delayed"]
-    model, _, state = namespace["train"](mp, model, opt_state, state, range(2, 4))
+    model, _, state = namespace["train"](step, model, opt_state, state, range(2, 4))
     assert isinstance(model, eqx.nn.MLP) and model.activation is jax.nn.relu  # its functions passed through
     assert mp.recipe_layers.quantized == ["layers.1", "layers.2"]
     src = str(Path(pa.__file__).parents[1])

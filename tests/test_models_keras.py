@@ -1,7 +1,8 @@
 """Real keras_hub models under polyamp (tiny configs, no downloads): GPT2Backbone with a Dense LM head and
-BertBackbone with a classifier, trained by ``model.fit``: bf16-mixed against Keras's own
-``mixed_bfloat16``, a recipe's record of the layers it quantizes (counted from the model's own layers),
-checkpoint / resume in a new process, and the doctor with rows named by layer path."""
+BertBackbone with a classifier: bf16-mixed under ``model.fit`` against Keras's own ``mixed_bfloat16`` (on
+GPT2: the guard and the casts are the model's, not the architecture's), a recipe's record of the layers it
+quantizes (counted from the model's own layers) and GPT2 training under it, checkpoint / resume in a new
+process, and the doctor with rows named by layer path."""
 
 import json
 import os
@@ -62,7 +63,7 @@ def data(model: str, n=BATCH * STEPS, seed=0):
 BUILD = {"gpt2": gpt2, "bert": bert}  # noqa: F821  (gpt2 is defined by the exec above)
 
 
-def built(model: str, policy: str, weights=None):
+def built(model: str, policy: str, weights=None, run_eagerly=False):
     """(model compiled for fit under ``policy``, its MixedPrecision or None); "native": Keras's
     ``mixed_bfloat16`` and a plain Adam. Same weights for every policy."""
     keras.utils.set_random_seed(0)
@@ -82,7 +83,7 @@ def built(model: str, policy: str, weights=None):
         opt = mp.optimizer(keras.optimizers.Adam(1e-3))
     if weights is not None:
         net.set_weights(weights)
-    net.compile(optimizer=opt, loss=LOSS)
+    net.compile(optimizer=opt, loss=LOSS, run_eagerly=run_eagerly)
     return net, mp
 
 
@@ -92,26 +93,27 @@ def fit(net, model: str):
 
 
 @pytest.fixture(scope="module")
-def bf16_runs():
-    """Per model: (initial weights, Keras mixed_bfloat16's and polyamp bf16-mixed's fit losses and weights,
-    polyamp's trained model) on the same data from the same weights."""
-    out = {}
-    for model in ("gpt2", "bert"):
-        native, _ = built(model, "native")
-        start = native.get_weights()
-        ours, _ = built(model, "bf16-mixed", start)
-        keras_run = fit(native, model), native.get_weights()
-        out[model] = start, keras_run, (fit(ours, model), ours.get_weights()), ours
-    return out
+def starts():
+    """Per model: the initial weights (every policy starts from them)."""
+    return {model: built(model, "native")[0].get_weights() for model in ("gpt2", "bert")}
 
 
-@pytest.mark.parametrize("model", ["gpt2", "bert"])
-def test_bf16_mixed_under_fit_equals_keras_mixed_bfloat16(model, bf16_runs):
+@pytest.fixture(scope="module")
+def bf16_run(starts):
+    """GPT2 from its initial weights: Keras mixed_bfloat16's and polyamp bf16-mixed's fit losses and
+    weights on the same data, and polyamp's trained model."""
+    native, _ = built("gpt2", "native", starts["gpt2"])
+    ours, _ = built("gpt2", "bf16-mixed", starts["gpt2"])
+    return (fit(native, "gpt2"), native.get_weights()), (fit(ours, "gpt2"), ours.get_weights()), ours
+
+
+def test_bf16_mixed_under_fit_equals_keras_mixed_bfloat16(bf16_run, starts):
     """Measured: bit-identical losses and weights after the steps (the same casts and bf16 kernels;
     polyamp's guard only checks the gradients)."""
-    start, (want, native), (got, ours), _ = bf16_runs[model]
+    (want, native), (got, ours), _ = bf16_run
     assert got == want
     assert all(np.array_equal(a, b) for a, b in zip(ours, native))
+    start = starts["gpt2"]
     assert sum(not np.array_equal(a, b) for a, b in zip(ours, start)) > len(start) // 2  # it trained
 
 
@@ -121,10 +123,13 @@ def matmul_layer_names(net) -> list[str]:
 
 
 @pytest.mark.parametrize("model", ["gpt2", "bert"])
-def test_a_recipe_quantizes_every_matmul_layer_but_first_and_last(model, bf16_runs):
-    """mxfp8's record, counted from the model's own layers; on GPT2 it trains under fit, away from bf16."""
-    start, _, (_, bf16), _ = bf16_runs[model]
-    net, mp = built(model, "mxfp8", start)
+def test_a_recipe_quantizes_every_matmul_layer_but_first_and_last(model, starts):
+    """mxfp8's record, counted from the model's own layers; on GPT2 it trains under fit, away from
+    bf16-mixed's fit. Both fits run eagerly (a traced one of the emulated GEMMs of 11 layers costs ~40 s; a
+    traced step with EinsumDense at open dimensions is test_tensorflow_recipes.py's
+    test_an_einsum_dense_at_open_dimensions_traces_as_it_runs_eagerly)."""
+    start = starts[model]
+    net, mp = built(model, "mxfp8", start, run_eagerly=True)
     names = matmul_layer_names(net)
     record = mp.recipe_layers
     assert record.quantized == names[1:-1]
@@ -133,7 +138,9 @@ def test_a_recipe_quantizes_every_matmul_layer_but_first_and_last(model, bf16_ru
     assert len(einsum) == 4 * 2 and set(einsum) - set(record.quantized) <= {names[0]}  # q/k/v/o of 2 blocks
     if model == "gpt2":
         assert np.isfinite(fit(net, model)).all()
-        differ = [not np.array_equal(a, b) for a, b in zip(net.get_weights(), bf16)]
+        bf16, _ = built(model, "bf16-mixed", start, run_eagerly=True)
+        fit(bf16, model)
+        differ = [not np.array_equal(a, b) for a, b in zip(net.get_weights(), bf16.get_weights())]
         assert sum(differ) > len(differ) // 2
 
 
@@ -142,6 +149,7 @@ CHILD = GPT2_SOURCE + textwrap.dedent('''
     import numpy as np
     import polyamp.tensorflow  # registers PolyampOptimizer for the .keras file
     net = keras.saving.load_model(sys.argv[1], compile=True)
+    net.run_eagerly = True  # as the saving process goes on (no trace of the step in either)
     data = np.load(sys.argv[2])
     x = {"token_ids": data["token_ids"], "padding_mask": data["padding_mask"]}
     net.fit(x, data["y"], batch_size=int(sys.argv[4]), epochs=1, shuffle=False, verbose=0)
@@ -149,18 +157,24 @@ CHILD = GPT2_SOURCE + textwrap.dedent('''
 ''')
 
 
-def test_a_fit_checkpoint_resumes_bit_for_bit_in_a_new_process(tmp_path, bf16_runs):
-    net = bf16_runs["gpt2"][3]  # polyamp bf16-mixed after its steps
+def test_a_fit_checkpoint_resumes_bit_for_bit_in_a_new_process(tmp_path, bf16_run):
+    """The saved model goes on with fit here while a new process loads it and does the same."""
+    net = bf16_run[2]  # polyamp bf16-mixed after its steps
     net.save(tmp_path / "ckpt.keras")
     x, y = data("gpt2", seed=1)
     np.savez(tmp_path / "batch.npz", y=y, **x)
-    fit_on = net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert np.isfinite(fit_on.history["loss"]).all()
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     env = {**os.environ, "KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt.keras"), str(tmp_path / "batch.npz"),
-                    str(tmp_path / "after.npz"), str(BATCH)], check=True, env=env, timeout=120)  # fmt: skip
+    args = [tmp_path / "ckpt.keras", tmp_path / "batch.npz", tmp_path / "after.npz", BATCH]
+    child = subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env)
+    try:
+        net.compile(optimizer=net.optimizer, loss=LOSS, run_eagerly=True)  # the same optimizer, its state
+        fit_on = net.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        assert np.isfinite(fit_on.history["loss"]).all()
+        assert child.wait(timeout=300) == 0
+    finally:
+        child.kill()
     resumed = np.load(tmp_path / "after.npz")
     assert all(np.array_equal(resumed[f"arr_{i}"], w) for i, w in enumerate(net.get_weights()))
 

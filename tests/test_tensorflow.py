@@ -6,6 +6,7 @@ skipping) is tests/test_contract.py; this file keeps what is this framework's ow
 
 import copy
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -371,7 +372,9 @@ def test_too_many_consecutive_skips_raise_eagerly_and_inside_tf_function():
 
 
 # -- checkpoints -----------------------------------------------------------------------------------
+@functools.cache
 def trained_mp(steps=5):
+    """(mp, model, optimizer) after ``steps`` traced steps, two of them overflowing; shared, read only."""
     mp = fp16(growth_interval=3)
     model = tiny_model(mp)
     opt = keras.optimizers.Adam(1e-2)
@@ -417,62 +420,73 @@ RESUME = textwrap.dedent(
     import os, sys, json, time
     os.environ["KERAS_BACKEND"] = "tensorflow"
     import numpy as np, tensorflow as tf, keras, polyamp as pa
-    tf.config.experimental.enable_op_determinism()
-    mode, path, start, stop, save_at = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:])
-    saved = os.path.join(os.path.dirname(path), "saved")  # written once the full run's checkpoint is
-    mp = pa.MixedPrecision("fp16-mixed", framework="tensorflow",
-                           loss_scale=pa.DynamicLossScale(growth_interval=3))
-    keras.utils.set_random_seed(0)
-    with mp.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="gelu"),
-                                  keras.layers.Dense(1)])
-    opt = keras.optimizers.Adam(1e-2)
-    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
-    if mode == "resume":
-        deadline = time.time() + 300
-        while not os.path.exists(saved) and time.time() < deadline:  # started with the full run
-            time.sleep(0.05)
-        status = ckpt.restore(path)
-    @tf.function
-    def step(x, y, inject):
-        with tf.GradientTape() as tape:
-            out = tf.cast(model(x, training=True), tf.float32)
-            scaled = mp.scale(tf.reduce_mean(tf.square(out - y)))
-        grads = tape.gradient(scaled, model.trainable_variables)
-        grads[0] = grads[0] + tf.where(inject, float("inf"), 0.0)
-        return mp.apply(opt, grads, model.trainable_variables)
-    rng = np.random.default_rng(1)
-    data = rng.standard_normal((stop, 16, 8)).astype(np.float32)
-    for i in range(start, stop):
-        if i == save_at:
-            ckpt.save(path + ".ckpt")  # -> path.ckpt-1
-            open(saved, "w").close()
-        step(data[i], np.sin(data[i].sum(1, keepdims=True)), tf.constant(i % 7 == 3))
-    if mode == "resume":
-        status.assert_consumed()  # every saved value, the loss-scale state included, was restored
-    np.savez(path + f".{mode}", *[v.numpy() for v in model.trainable_variables])
-    json.dump(mp.state_dict(), open(path + f".{mode}.json", "w"))
+
+    def main(mode, path, start, stop, save_at):
+        saved = os.path.join(os.path.dirname(path), "saved")  # written once the full run's checkpoint is
+        mp = pa.MixedPrecision("fp16-mixed", framework="tensorflow",
+                               loss_scale=pa.DynamicLossScale(growth_interval=3))
+        keras.utils.set_random_seed(0)
+        with mp.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="gelu"),
+                                      keras.layers.Dense(1)])
+        opt = keras.optimizers.Adam(1e-2)
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+        if mode == "resume":
+            deadline = time.time() + 300
+            while not os.path.exists(saved) and time.time() < deadline:  # started with the full run
+                time.sleep(0.05)
+            status = ckpt.restore(path)
+        @tf.function
+        def step(x, y, inject):
+            with tf.GradientTape() as tape:
+                out = tf.cast(model(x, training=True), tf.float32)
+                scaled = mp.scale(tf.reduce_mean(tf.square(out - y)))
+            grads = tape.gradient(scaled, model.trainable_variables)
+            grads[0] = grads[0] + tf.where(inject, float("inf"), 0.0)
+            return mp.apply(opt, grads, model.trainable_variables)
+        rng = np.random.default_rng(1)
+        data = rng.standard_normal((stop, 16, 8)).astype(np.float32)
+        for i in range(start, stop):
+            if i == save_at:
+                ckpt.save(path + ".ckpt")  # -> path.ckpt-1
+                open(saved, "w").close()
+            step(data[i], np.sin(data[i].sum(1, keepdims=True)), tf.constant(i % 7 == 3))
+        if mode == "resume":
+            status.assert_consumed()  # every saved value, the loss-scale state included, was restored
+        np.savez(path + f".{mode}", *[v.numpy() for v in model.trainable_variables])
+        json.dump(mp.state_dict(), open(path + f".{mode}.json", "w"))
+
+    if __name__ == "__main__":
+        tf.config.experimental.enable_op_determinism()
+        main(sys.argv[1], sys.argv[2], *map(int, sys.argv[3:]))
     """
 )
 
 
 def test_resume_in_a_new_process_is_bit_identical(tmp_path):
+    """The full run in this process (``RESUME``'s main, op determinism on as in the new one), the resumed
+    one in a new process, started first: it imports TensorFlow while the full run trains, then waits for
+    the checkpoint of step 17 that the full run writes on the way."""
+    from tensorflow.python.framework import config as tf_config
+
     script = tmp_path / "train.py"
     script.write_text(RESUME)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
-
-    def start(*args):
-        return subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env)
-
-    # side by side: the resuming process imports TensorFlow while the full run trains, then waits for
-    # the checkpoint of step 17 that the full run writes on the way
-    full_run = start("full", tmp_path / "run", 0, 40, 17)
-    resume_run = start("resume", tmp_path / "run.ckpt-1", 17, 40, -1)
+    resume_run = subprocess.Popen([sys.executable, str(script), "resume", str(tmp_path / "run.ckpt-1"), "17",
+                                   "40", "-1"], env=env)  # fmt: skip
     try:
-        assert full_run.wait(timeout=300) == 0 and resume_run.wait(timeout=300) == 0
+        namespace = {"__name__": "resume"}
+        exec(compile(RESUME, str(script), "exec"), namespace)
+        deterministic = tf_config.is_op_determinism_enabled()
+        tf_config.enable_op_determinism()
+        try:
+            namespace["main"]("full", str(tmp_path / "run"), 0, 40, 17)
+        finally:
+            if not deterministic:
+                tf_config.disable_op_determinism()
+        assert resume_run.wait(timeout=300) == 0
     finally:
-        for proc in (full_run, resume_run):
-            proc.kill()
+        resume_run.kill()
     full = json.loads((tmp_path / "run.full.json").read_text())
     resumed = json.loads((tmp_path / "run.ckpt-1.resume.json").read_text())
     assert full == resumed and full["state"]["steps"] == 40 and full["state"]["skipped"] >= 6
@@ -535,11 +549,16 @@ def test_watch_learns_the_variable_names():
 
 
 # -- the example -----------------------------------------------------------------------------------
-def test_keras_example_fixes_the_unscaled_custom_loop_and_trains_with_fit():
+def test_keras_example_fixes_the_unscaled_custom_loop_and_trains_with_fit(monkeypatch, capsys):
+    """The script as ``python examples/keras_amp.py`` runs it, in this process (TensorFlow imported)."""
+    import runpy
+
     example = Path(__file__).parents[1] / "examples" / "keras_amp.py"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    out = subprocess.run([sys.executable, str(example), "--policy", "fp16-mixed", "--steps", "60"],
-                         capture_output=True, text=True, check=True, timeout=300, env=env).stdout  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [str(example), "--policy", "fp16-mixed", "--steps", "60"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runpy.run_path(str(example), run_name="__main__")
+    out = capsys.readouterr().out
     seed_off, flushed, ours_off = map(float, re.search(
         r"gradient off by ([\d.]+)%, ([\d.]+)% of its values flushed to zero; polyamp: off by ([\d.]+)%", out
     ).groups())  # fmt: skip

@@ -3,6 +3,7 @@ the numpy core bit for bit (eagerly, where TF flushes float32 subnormals, and in
 GEMMs against the same products of core-quantized operands, keep lists, delayed-scaling and
 stochastic-rounding state resumed bit for bit, training in custom loops and ``fit``, and bad input."""
 
+import functools
 import json
 import math
 import warnings
@@ -16,13 +17,14 @@ import keras  # noqa: E402
 
 import polyamp as pa  # noqa: E402
 from polyamp import PolyampError, recipes  # noqa: E402
+from polyamp.tensorflow.keep import named_layers  # noqa: E402
 from polyamp.numerics import hadamard_tiles  # noqa: E402
 from polyamp.recipe_layers import RecipeWarning  # noqa: E402
 from polyamp.tensorflow import recipe as tr  # noqa: E402
-from polyamp.tensorflow.keep import named_layers  # noqa: E402
 
-RECIPES = ["fp8-tensorwise", "fp8-delayed", "mxfp8", "mxfp8:scale_rule=floor", "nvfp4",
-           "nvfp4:grad_rounding=nearest", "fp8-tensorwise:margin=2:compute_dtype=fp32"]  # fmt: skip
+# one of each kind (current and delayed scaling, MX and NVFP4 blocks); the variants below change only what
+# the Quantizer does (scale rule, grad rounding, margin), so their operands are tested, not their GEMMs
+KINDS = ["fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4"]
 
 
 def same(got, want) -> bool:
@@ -42,29 +44,38 @@ def bits_of(amax) -> tf.Tensor:
     return tf.cast(tf.bitcast(tf.constant(np.float32(amax)), tf.uint32), tf.uint64)
 
 
-@pytest.mark.parametrize("amax", [0.0, 1e-45, 1e-40, 1e-30, 0.37, 3.5, 448.0, 6e37, 3e38, math.inf, math.nan])
+AMAXES = [0.0, 1e-45, 1e-40, 1e-30, 0.37, 3.5, 448.0, 6e37, 3e38, math.inf, math.nan]
+
+
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("margin", [0, 3])
-def test_current_scale_equals_the_core(amax, fmt, margin):
-    got = tr.current_scale(bits_of(amax), fmt, margin).numpy()
-    assert got.tobytes() == np.float32(recipes.current_scale(amax, fmt, margin)).tobytes()
-    eps = 1e-12  # torchao's floor
-    got = tr.current_scale(bits_of(amax), fmt, margin, eps).numpy()
-    assert got.tobytes() == np.float32(recipes.current_scale(amax, fmt, margin, eps)).tobytes()
+def test_current_scale_equals_the_core(fmt, margin):
+    """Every amax at once, eagerly: ``current_scale`` is elementwise (one bit pattern per element)."""
+    amax = bits_of(AMAXES)
+    for eps in ((), (1e-12,)):  # the default (none), then torchao's floor
+        got = tr.current_scale(amax, fmt, margin, *eps).numpy()
+        want = np.float32([recipes.current_scale(a, fmt, margin, *eps) for a in AMAXES])
+        assert got.tobytes() == want.tobytes(), (eps, got, want)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
 def test_tensorwise_equals_the_core(fmt, traced):
-    x = wide((64, 96), 1)
+    """Eagerly op by op; traced as the recipe runs it, fp8-tensorwise's ``Quantizer`` (its graph of the
+    input's or the grad's shape in ``gemm_case``: the one test_each_operand_is_quantized_as_the_core_does
+    runs)."""
+    x = wide((32, 64) if fmt == "e4m3fn" else (32, 96), 1)
+    finite = x.copy()
     x[0, :6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-42]
 
     def run(t):
         amax = tr._amax_bits(t)
         return tr.tensorwise(t, fmt, tr.current_scale(amax, fmt), 0, None)
 
-    run = tf.function(run) if traced else run
-    for t in (x, x[1:], x[1:] * 2.0**-100, np.zeros((3, 4), np.float32)):  # all subnormal: scaled up
+    if traced:
+        q = tr.Quantizer(recipes.parse_recipe("fp8-tensorwise"))
+        run = functools.partial(q, layer="layer", operand="input" if fmt == "e4m3fn" else "grad")
+    for t in (x, finite, finite * 2.0**-100, np.zeros_like(x)):  # all subnormal: scaled up
         amax = float(np.max(np.abs(t))) if t.size else 0.0
         want = recipes.quantize_tensorwise(t, fmt, recipes.current_scale(amax, fmt))
         assert same(run(tf.constant(t)), want)
@@ -83,11 +94,18 @@ def core(x, r, operand, axis, seed=None, scale=None):
     return pa.quantize_blocks(x, fmt, axis=axis, scale_rule=r.scale_rule, rounding=rounding, seed=seed)
 
 
-@pytest.mark.parametrize("spec", RECIPES)
-@pytest.mark.parametrize("operand", ["input", "weight", "grad"])
+@pytest.mark.parametrize(("spec", "operand"), [
+    ("fp8-tensorwise", "input"), ("fp8-tensorwise", "grad"), ("fp8-delayed", "input"),
+    ("fp8-delayed", "grad"), ("mxfp8", "input"), ("mxfp8:scale_rule=floor", "input"), ("nvfp4", "input"),
+    ("nvfp4", "weight"), ("nvfp4", "grad"), ("nvfp4:grad_rounding=nearest", "grad"),
+    ("fp8-tensorwise:margin=2:compute_dtype=fp32", "input"),
+])  # fmt: skip
 def test_each_operand_is_quantized_as_the_core_does(spec, operand):
+    """The operand picks the format and rounding (grad: the backward's) and NVFP4's 16x16 weight blocks;
+    otherwise a weight is quantized as an input is (mxfp8's grad too: same format, nearest). Each operand
+    has its shape in ``gemm_case``, whose kernels' graphs (``graph_call``, per shape) it then reuses."""
     r = recipes.parse_recipe(spec)
-    x = wide((64, 128), 2)
+    x = wide({"input": (32, 64), "weight": (64, 96), "grad": (32, 96)}[operand], 2)
     x[3, :40] = 0.0
     q = tr.Quantizer(r)
     history = recipes.DelayedScaling.from_recipe(r, operand == "grad") if r.kind == "delayed" else None
@@ -102,6 +120,22 @@ def test_each_operand_is_quantized_as_the_core_does(spec, operand):
         assert same(got, want), (axis, operand)
     if history is not None:
         assert q.state_dict()["delayed"]["layer|" + operand] == history.state_dict()
+
+
+def test_an_eager_delayed_update_runs_in_one_graph(monkeypatch):
+    """Eagerly, an amax history's update (the next scale by a long division: hundreds of integer ops) is
+    one ``graph_call``, not op by op, which made an eager fp8-delayed step ~3x the other recipes'."""
+    eager = []
+    scale = tr._scale
+    monkeypatch.setattr(tr, "_scale", lambda *a: eager.append(tf.executing_eagerly()) or scale(*a))
+    r = recipes.parse_recipe("fp8-delayed:history_len=3")
+    q, history = tr.Quantizer(r), recipes.DelayedScaling.from_recipe(r)
+    x = wide((16, 24), 8)
+    for _ in range(2):
+        q(tf.constant(x), "fc", "input")
+        history.update(float(np.abs(x).max()))
+        x = x * 5
+    assert True not in eager and q.state_dict()["delayed"]["fc|input"] == history.state_dict()
 
 
 def gemm_case(spec, compute=tf.float32):
@@ -121,7 +155,7 @@ def gemm_case(spec, compute=tf.float32):
     return r, (x, w, g), (y, dx, dw), q
 
 
-@pytest.mark.parametrize("spec", [*RECIPES, "nvfp4:hadamard=true"])
+@pytest.mark.parametrize("spec", [*KINDS, "nvfp4:hadamard=true"])
 def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
     r, (x, w, g), (y, dx, dw), q = gemm_case(spec)
     block = r.kind == "block"
@@ -168,18 +202,20 @@ def batch(seed):
     return x, np.sin(x[:, :4])
 
 
-def train(mp, model, steps, traced=True, start=0):
+def train(mp, model, steps, start=0):
+    """``steps`` eager steps of a fresh Adam on batches ``start``, ``start + 1``, ...; their losses. Eager:
+    a traced step of the emulated GEMMs costs ~30 s to trace and optimize, an eager one ~0.3 s, and the
+    kernels' graphs (``graph_call``, per shape) are shared by every eager run of this module."""
     opt = keras.optimizers.Adam(1e-2)
-
-    def step(x, y):
+    out = []
+    for i in range(start, start + steps):
+        x, y = batch(i)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(tf.cast(model(x), tf.float32) - y))
         grads = tape.gradient(mp.scale(loss), model.trainable_variables)
         mp.apply(opt, grads, model.trainable_variables)
-        return loss
-
-    step = tf.function(step) if traced else step
-    return [float(step(*batch(start + i))) for i in range(steps)]
+        out.append(float(loss))
+    return out
 
 
 def test_the_keep_list_keeps_first_and_last_dense_and_patterns():
@@ -271,14 +307,33 @@ def test_a_recipe_that_quantizes_no_layer_warns():
                                                                           "fc1": "keep 'last'"}  # fmt: skip
 
 
-@pytest.mark.parametrize("spec", ["fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4"])
-def test_each_recipe_trains_in_a_custom_loop(spec):
+# per-tensor scaling with its state (amax histories) and blocks with theirs (the stochastic-rounding
+# counter) and NVFP4's 16x16 weights; fp8-tensorwise's and mxfp8's GEMMs are these with a simpler
+# Quantizer (tested above), and mxfp8 trains under fit in test_models_keras.py
+TRAINED = ["fp8-delayed:history_len=4", "nvfp4"]
+
+
+@functools.cache
+def trained(spec):
+    """``spec`` on ``mlp`` (fc1 and fc2 quantized), 12 steps in a custom loop: two, the state saved then
+    (as plain values) with the weights, two more and 8 more (each ``train`` with a fresh Adam); (mp,
+    losses, saved state, weights at the save, weights two steps after it)."""
     mp = pa.MixedPrecision(spec, framework="tensorflow")
     model = mlp(mp)
     mp.watch(model)
-    losses = train(mp, model, 20)  # the cost is the trace; the last five's mean is ~0.22 of the first
+    losses = train(mp, model, 2)
+    saved, weights = json.loads(json.dumps(mp.state_dict())), model.get_weights()
+    losses += train(mp, model, 2, start=2)
+    after = model.get_weights()
+    losses += train(mp, model, 8, start=4)
+    return mp, losses, saved, weights, after
+
+
+@pytest.mark.parametrize("spec", TRAINED)
+def test_each_recipe_trains_in_a_custom_loop(spec):
+    mp, losses, *_ = trained(spec)  # the last five's mean is ~0.3 of the first
     assert np.mean(losses[-5:]) < 0.5 * losses[0]
-    assert mp.recipe == recipes.parse_recipe(spec)
+    assert mp.recipe == recipes.parse_recipe(spec) and mp.recipe_layers.quantized == ["fc1", "fc2"]
 
 
 @pytest.mark.parametrize("spec", ["nvfp4", "fp8-delayed"])
@@ -309,15 +364,19 @@ def test_the_gemms_and_their_state_are_the_same_eagerly_in_tf_function_and_xla(s
     assert all(np.allclose(a, b, rtol=1e-2, atol=1e-3) for a, b in zip(xla, eager)) and xla_state == state
 
 
-@pytest.mark.parametrize("spec", ["mxfp8:keep=", "nvfp4:keep=:hadamard=true"])
-def test_fit_trains_with_the_recipe(spec):
-    mp = pa.MixedPrecision(spec, framework="tensorflow")
-    model = mlp(mp)
+def test_fit_trains_with_the_recipe():
+    """``fit`` with ``mp.optimizer`` and NVFP4 with the Hadamard transform (the kinds train in
+    test_each_recipe_trains_in_a_custom_loop; MX blocks at an open dimension are
+    test_operands_with_an_open_dimension_are_quantized_as_the_core_does's)."""
+    mp = pa.MixedPrecision("nvfp4:hadamard=true", framework="tensorflow")
+    model = mlp(mp, dims=(16, 48, 48, 4))
     mp.watch(model)
+    assert mp.recipe_layers.quantized == ["fc1"]
     model.compile(optimizer=mp.optimizer(keras.optimizers.Adam(1e-2)), loss="mse")
-    x, y = batch(0)
-    # 64 = 2 x 24 + 16: fit traces the step with an open batch dimension, blocked along in the backward
-    history = model.fit(x, y, epochs=5, batch_size=24, verbose=0)  # the fifth epoch's loss: ~0.1 of the first
+    # 64 = 2 x 24 + 16 in batches of an open batch dimension: fit traces its step once, with that
+    # dimension open, blocked along in the backward (M: Hadamard tiles and blocks of the rows)
+    data = tf.data.Dataset.from_tensor_slices(batch(0)).batch(24)
+    history = model.fit(data, epochs=5, verbose=0)  # the fifth epoch's loss: ~0.1 of the first
     assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
 
 
@@ -327,7 +386,7 @@ def test_operands_with_an_open_dimension_are_quantized_as_the_core_does(spec):
     batch) quantizes as a static shape does: blocks along it and across it, stochastic rounding."""
     r = recipes.parse_recipe(spec)
     x = wide((37, 40), 6)
-    for axis in (0, -1):
+    for axis in (0, -1) if r.kind == "block" else (-1,):  # a per-tensor scale has no axis
         q = tr.Quantizer(r)
         fn = tf.function(lambda t, q=q, axis=axis: q(t, "layer", "grad", axis),
                          input_signature=[tf.TensorSpec([None, 40])])  # fmt: skip
@@ -336,26 +395,21 @@ def test_operands_with_an_open_dimension_are_quantized_as_the_core_does(spec):
         assert same(got, core(x, r, "grad", axis, seed, None)), axis
 
 
-@pytest.mark.parametrize("spec", ["fp8-delayed:history_len=4:keep=", "nvfp4:keep="])
+@pytest.mark.parametrize("spec", TRAINED)
 def test_recipe_state_resumes_bit_for_bit(spec):
-    mp = pa.MixedPrecision(spec, framework="tensorflow")
-    model = mlp(mp)
-    mp.watch(model)
-    train(mp, model, 2, traced=False)  # eager steps: two before the save and two after it suffice
-    saved = json.loads(json.dumps(mp.state_dict()))  # plain values
-    weights = model.get_weights()
+    """The state saved after two steps of ``trained(spec)`` (delayed histories, the stochastic-rounding
+    counter), loaded into a model of other weights given the saved ones: the next two steps are the same."""
+    mp, losses, saved, weights, after = trained(spec)
     state = saved["recipe"]["state"]
     assert state["calls"] > 0 if spec.startswith("nvfp4") else state["delayed"]["fc1|grad"]["steps"] == 2
-    going_on = train(mp, model, 2, traced=False, start=2)
-
     mp2 = pa.MixedPrecision(spec, framework="tensorflow")
     model2 = mlp(mp2, seed=5)
     model2.set_weights(weights)
     mp2.watch(model2)
     mp2.load_state_dict(saved)
     assert mp2.state_dict()["recipe"] == saved["recipe"]
-    assert train(mp2, model2, 2, traced=False, start=2) == going_on
-    assert all(same(a, b) for a, b in zip(model.get_weights(), model2.get_weights()))
+    assert train(mp2, model2, 2, start=2) == losses[2:4]
+    assert all(same(a, b) for a, b in zip(after, model2.get_weights()))
 
 
 def test_bad_input_is_one_clear_error():
@@ -428,6 +482,32 @@ def einsum_case(spec, case):
     g = wide(tuple(y.shape), 5)
     dx, dw = tape.gradient(y, [xt, wt], output_gradients=tf.constant(g))
     return r, (x, w, g), (y.numpy(), dx.numpy(), dw.numpy()), q
+
+
+def test_an_einsum_dense_at_open_dimensions_traces_as_it_runs_eagerly():
+    """A watched EinsumDense (MultiHeadAttention's query projection) in a step traced with the batch and
+    sequence dimensions open, as fit traces a keras_hub model's, and eagerly: the same output and
+    gradients, bit for bit (a float32 layer: eagerly, ``gemm_case``'s operands and kernels)."""
+    mp = pa.MixedPrecision("mxfp8:keep=", framework="tensorflow")
+    keras.utils.set_random_seed(0)
+    with mp.scope():
+        layer = keras.layers.EinsumDense("abc,cde->abde", (None, 4, 24), bias_axes="de", dtype="float32",
+                                         name="query")  # fmt: skip
+        model = keras.Sequential([keras.Input((None, 64)), layer])
+    mp.watch(model)
+    assert mp.recipe_layers.quantized == ["query"]
+
+    def run(x, g):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = model(x)
+        return (y, *tape.gradient(y, [x, *layer.trainable_variables], output_gradients=g))
+
+    open_dims = [tf.TensorSpec([None, None, 64]), tf.TensorSpec([None, None, 4, 24])]
+    x, g = tf.constant(wide((2, 16, 64), 3)), tf.constant(wide((2, 16, 4, 24), 5))
+    traced, eager = tf.function(run, input_signature=open_dims)(x, g), run(x, g)
+    assert [t.shape for t in traced] == [(2, 16, 4, 24), (2, 16, 64), (64, 4, 24), (4, 24)]
+    assert all(same(a, b) for a, b in zip(traced, eager))
 
 
 @pytest.mark.parametrize("case", EINSUM_CASES, ids=EINSUM_IDS)

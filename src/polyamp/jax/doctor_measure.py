@@ -36,11 +36,10 @@ def measure_tensor(t, cast: _blocks.Cast) -> _blocks.Measured:
         axis = (-2, -1) if len(block) == 2 else -1
         q = quantize_blocks(x, cast.format, axis=axis, block=block, scale_rule=cast.scale_rule,
                             rounding=cast.rounding, seed=cast.seed)  # fmt: skip
-    counts = _block_counts(x, q, thr.view(np.int32), tiles, cast.scaling == "block")
-    with jax.enable_x64(True):
-        sums = _block_sums(x, q, bad, tiles, cast.scaling == "block")
-        err, energy = (float(v) for v in jax.device_get(sums))
-    nonfinite, nz, under, clip, spoiled = (int(c) for c in jax.device_get(counts))
+    with jax.enable_x64(True):  # one program for the counts and the float64 sums
+        counts, sums = jax.device_get(_block_stats(x, q, thr.view(np.int32), tiles, cast.scaling == "block"))
+    nonfinite, nz, under, clip, spoiled = (int(c) for c in counts)
+    err, energy = (float(v) for v in sums)
     return _blocks.Measured(int(x.size), nonfinite, nz, under, clip, spoiled, err, energy)
 
 
@@ -59,28 +58,22 @@ def _block_amax(x, tiles):
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def _block_counts(x, q, thr_bits, tiles, block_scaling: bool):
-    """Non-finite, non-zero, underflow, clipped and spoiled counts (``blocks.measure``)."""
+def _block_stats(x, q, thr_bits, tiles, block_scaling: bool):
+    """The non-finite, non-zero, underflow, clipped and spoiled counts (``blocks.measure``), and ``sum
+    (q - x)^2`` and ``sum x^2`` in float64 over the finite elements outside spoiled blocks (x64 on)."""
     xb, dims = _blocked(x, tiles)
     bits, finite = _bits(xb)
-    qbits, _ = _bits(_blocked(q, tiles)[0])
+    qb = _blocked(q, tiles)[0]
+    qbits, _ = _bits(qb)
     bad = (~finite).any(dims, keepdims=True)
     good = finite & ~bad if block_scaling else finite
     nonzero = finite & (bits != 0)
     ok = nonzero & good
     under, clip = (ok & (qbits == 0)).sum(), (ok & (bits > thr_bits)).sum()
-    return jnp.stack([(~finite).sum(), nonzero.sum(), under, clip, (nonzero & ~good).sum()])
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _block_sums(x, q, bad, tiles, block_scaling: bool):
-    """``sum (q - x)^2`` and ``sum x^2`` in float64 over the finite elements outside spoiled blocks."""
-    xb, _ = _blocked(x, tiles)
-    finite = _bits(xb)[1]
-    good = finite & ~bad if block_scaling else finite
-    x64, q64 = xb.astype(jnp.float64), _blocked(q, tiles)[0].astype(jnp.float64)
+    counts = jnp.stack([(~finite).sum(), nonzero.sum(), under, clip, (nonzero & ~good).sum()])
+    x64, q64 = xb.astype(jnp.float64), qb.astype(jnp.float64)
     d, e = jnp.where(good, q64 - x64, 0.0), jnp.where(good, x64, 0.0)
-    return (d * d).sum(), (e * e).sum()
+    return counts, jnp.stack([(d * d).sum(), (e * e).sum()])
 
 
 def _blocked(x, block: tuple[int, ...]):

@@ -113,6 +113,8 @@ def blocks_keyed(x, key, bf, axes, shape, rule, mode, order=None):
 
     mx = bf.scale.name == "e8m0fnu"
     code = _blocks.SCALE_RULES.index(rule) if mx else 0
+    if mode != _STOCHASTIC:  # only the stream's indices depend on the order: one compilation for both
+        order = None
     if x.dtype != jnp.float64:
         with jax.enable_x64(True):  # scoped: float64 and uint64 for this call only
             return blocks64.values_jit(x, key, bf=bf, rule=code, axes=axes, shape=shape,

@@ -176,21 +176,17 @@ class _History:
         self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="polyamp_delayed_steps")
 
     def update(self, amax_bits) -> None:
-        """Record this step's amax (float32 bit pattern, uint64) and set the next step's scale."""
+        """Record this step's amax (float32 bit pattern, uint64) and set the next step's scale: one
+        ``graph_call`` (eagerly a few hundred integer ops, the scale's long division among them, would
+        otherwise run one by one: most of an eager fp8-delayed step)."""
         ds = self.config
-        h = tf.concat([tf.reshape(tf.bitcast(tf.cast(amax_bits, tf.uint32), tf.float32), [1]),
-                       self.history.read_value()[1:]], 0)  # fmt: skip
-        bits = tf.cast(tf.bitcast(h, tf.uint32), _U) & tf.constant(0x7FFFFFFF, _U)
-        if ds.amax_compute_algo == "max":  # NaN entries skipped, as np.fmax
-            number = bits <= _INF32
-            used = tf.reduce_max(tf.where(number, bits, tf.constant(0, _U)))
-            used = tf.where(tf.reduce_any(number), used, tf.constant(_NAN32, _U))
-        else:
-            used = bits[0]
-        scaled_max = float(ds._scaled_max)
-        self.scale.assign(_scale(used, scaled_max, self.scale.read_value()))
-        rolled = tf.concat([h[1:], h[:1]], 0)
-        self.history.assign(tf.concat([tf.zeros([1], tf.float32), rolled[1:]], 0))
+        scale, history = graph_call(
+            _delayed_update,
+            (tf.cast(amax_bits, _U), self.history.read_value(), self.scale.read_value()),
+            (ds.amax_compute_algo, float(ds._scaled_max)),
+        )
+        self.scale.assign(scale)
+        self.history.assign(history)
         self.steps.assign_add(1)
 
     def state_dict(self) -> dict[str, Any]:
@@ -212,6 +208,20 @@ class _History:
         self.scale.assign(np.float32(ds.scale))
         self.history.assign(ds.history)
         self.steps.assign(ds.steps)
+
+
+def _delayed_update(amax_bits, history, scale, algo: str, scaled_max: float):
+    """``DelayedScaling.update`` of one history: (the next scale, the next history)."""
+    h = tf.concat([tf.reshape(tf.bitcast(tf.cast(amax_bits, tf.uint32), tf.float32), [1]), history[1:]], 0)
+    bits = tf.cast(tf.bitcast(h, tf.uint32), _U) & tf.constant(0x7FFFFFFF, _U)
+    if algo == "max":  # NaN entries skipped, as np.fmax
+        number = bits <= _INF32
+        used = tf.reduce_max(tf.where(number, bits, tf.constant(0, _U)))
+        used = tf.where(tf.reduce_any(number), used, tf.constant(_NAN32, _U))
+    else:
+        used = bits[0]
+    rolled = tf.concat([h[1:], h[:1]], 0)
+    return _scale(used, scaled_max, scale), tf.concat([tf.zeros([1], tf.float32), rolled[1:]], 0)
 
 
 # -- per-tensor scaling in integers --------------------------------------------------------------------
