@@ -3,6 +3,7 @@ binds, which idiom belongs to which framework, and which way the imports point."
 
 import ast
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -173,11 +174,13 @@ def test_dependencies_point_from_the_front_ends_to_the_core():
             for target in imports_of(path):
                 head = target.split(".")[1] if "." in target else ""
                 assert head not in fronts, f"core module {path.name} imports {target}"
-    for name in FRAMEWORKS:
+    for name in [*FRAMEWORKS, "keras"]:  # polyamp.keras: Keras's vocabulary, which the TensorFlow one shares
+        allowed = {name, "keras"} if name == "tensorflow" else {name}
         for path in sorted((SRC / name).glob("*.py")):
             for target in imports_of(path):
                 head = target.split(".")[1] if "." in target else ""
-                assert head not in [f for f in fronts if f != name], f"{name}/{path.name} imports {target}"
+                assert head not in [f for f in [*fronts, "keras"] if f not in allowed], \
+                    f"{name}/{path.name} imports {target}"
 
 
 OLD_PATHS = [("polyamp.backends.jax", "polyamp.jax", "step_if_finite"),
@@ -212,6 +215,21 @@ def test_the_old_module_paths_still_import_with_a_deprecation_warning(old, new, 
     out, err = old_path_runs[old].communicate(timeout=300)
     assert old_path_runs[old].returncode == 0, err
     assert out.strip().splitlines()[-1] == f"True ['{old} moved to {new}']"
+
+
+def test_framework_keras_is_the_front_end_of_the_backend_keras_will_run_on(tmp_path):
+    """Without importing Keras: KERAS_BACKEND, else $KERAS_HOME/keras.json, else TensorFlow (as Keras)."""
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    code = ("import sys; from polyamp.frameworks import canonical_framework as c; "
+            "print(c('keras'), c('tf.keras'), 'keras' in sys.modules)")  # fmt: skip
+    seen = []
+    base = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "KERAS_HOME")}
+    for env in ({"KERAS_BACKEND": "jax"}, {"KERAS_HOME": str(tmp_path)}, {"KERAS_HOME": str(tmp_path / "x")}):
+        run = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        seen.append(run.stdout.split())
+    assert seen == [["keras", "tensorflow", "False"], ["keras", "tensorflow", "False"],
+                    ["tensorflow", "tensorflow", "False"]]  # fmt: skip
 
 
 def test_mxnet_front_end_alone():

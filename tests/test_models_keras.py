@@ -19,7 +19,7 @@ keras_hub = require("keras_hub")
 import keras  # noqa: E402
 
 import polyamp as pa  # noqa: E402
-from polyamp.tensorflow.keep import named_layers  # noqa: E402
+from polyamp.keras.keep import named_layers  # noqa: E402
 
 VOCAB, SEQ, BATCH, STEPS = 100, 8, 4, 3
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -17,7 +17,7 @@ import keras  # noqa: E402
 
 import polyamp as pa  # noqa: E402
 from polyamp import PolyampError, recipes  # noqa: E402
-from polyamp.tensorflow.keep import named_layers  # noqa: E402
+from polyamp.keras.keep import named_layers  # noqa: E402
 from polyamp.numerics import hadamard_tiles  # noqa: E402
 from polyamp.recipe_layers import RecipeWarning  # noqa: E402
 from polyamp.tensorflow import recipe as tr  # noqa: E402

@@ -9,19 +9,25 @@ framework when it is first imported itself.
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from .errors import PolyampError, invalid
 
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
+# Keras 3 on its TensorFlow backend is the tensorflow front end's; on its JAX and torch backends it is
+# polyamp.keras's, the one front end that is not a framework of its own
+FRONT_ENDS = (*FRAMEWORKS, "keras")
 _MODULE_ROOTS = {"torch": "torch", "tensorflow": "tensorflow", "keras": "tensorflow",
                  "tf_keras": "tensorflow", "jax": "jax", "jaxlib": "jax", "optax": "jax",
                  "flax": "jax", "equinox": "jax", "mxnet": "mxnet"}  # fmt: skip
 
 # common names for the frameworks -> polyamp's
-ALIASES = {"pytorch": "torch", "tf": "tensorflow", "keras": "tensorflow", "tf.keras": "tensorflow",
-           "flax": "jax", "mx": "mxnet", "gluon": "mxnet"}  # fmt: skip
+ALIASES = {"pytorch": "torch", "tf": "tensorflow", "tf.keras": "tensorflow", "flax": "jax", "mx": "mxnet",
+           "gluon": "mxnet"}  # fmt: skip
 
 # the methods that only one framework's MixedPrecision has; ``backward``, ``step``, ``watch`` and
 # ``autocast`` are shared (tests/test_front_ends.py checks this table against the classes)
@@ -34,12 +40,45 @@ IDIOMS = {
 }  # fmt: skip
 
 
+# the Keras idioms: the tensorflow front end's, or polyamp.keras's on the other Keras backends
+KERAS_IDIOMS = ("scope", "optimizer", "callback")
+
+
+def keras_backend() -> str:
+    """The backend Keras runs on (``keras.backend.backend()`` once Keras is imported), or will run on:
+    ``KERAS_BACKEND``, else the ``backend`` of ``$KERAS_HOME/keras.json`` (``~/.keras``), else tensorflow,
+    as Keras itself chooses."""
+    if "keras" in sys.modules and hasattr(sys.modules["keras"], "backend"):
+        return sys.modules["keras"].backend.backend()
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    config = Path(os.environ.get("KERAS_HOME", Path.home() / ".keras")) / "keras.json"
+    try:
+        return json.loads(config.read_text()).get("backend", "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+def keras_front_end() -> str:
+    """The front end that drives Keras here: 'tensorflow' on that backend, else 'keras'."""
+    return "tensorflow" if keras_backend() == "tensorflow" else "keras"
+
+
+def idiom_owner(method: str) -> str | None:
+    """The front end whose idiom ``method`` is (``IDIOMS``; the Keras ones by the Keras backend)."""
+    owner = IDIOMS.get(method)
+    return keras_front_end() if method in KERAS_IDIOMS else owner
+
+
 def canonical_framework(name: Any) -> str:
-    """polyamp's name for a framework name or alias ('pytorch' -> 'torch'), else PolyampError."""
+    """polyamp's name for a framework name or alias ('pytorch' -> 'torch'; 'keras' -> 'tensorflow' or,
+    on Keras's JAX and torch backends, 'keras'), else PolyampError."""
     key = name.strip().lower() if isinstance(name, str) else None
+    if key == "keras":
+        return keras_front_end()
     key = ALIASES.get(key, key)
     if key not in FRAMEWORKS:
-        raise invalid("framework", name, [*FRAMEWORKS, *ALIASES])
+        raise invalid("framework", name, [*FRAMEWORKS, "keras", *ALIASES])
     return key
 
 
@@ -47,6 +86,8 @@ def detect(obj: Any) -> str | None:
     """The framework an object (tensor, model, optimizer) belongs to, or None."""
     for cls in type(obj).__mro__:
         root = cls.__module__.split(".")[0]
+        if root == "keras" and keras_front_end() == "keras":
+            return "keras"
         if root in _MODULE_ROOTS and _MODULE_ROOTS[root] in sys.modules:
             return _MODULE_ROOTS[root]
     return None
@@ -71,5 +112,5 @@ def front_end(name: str) -> type:
     return module.MixedPrecision
 
 
-__all__ = ["ALIASES", "FRAMEWORKS", "IDIOMS", "canonical_framework", "detect", "front_end",
-           "imported_frameworks"]
+__all__ = ["ALIASES", "FRAMEWORKS", "FRONT_ENDS", "IDIOMS", "KERAS_IDIOMS", "canonical_framework", "detect",
+           "front_end", "idiom_owner", "imported_frameworks", "keras_backend", "keras_front_end"]

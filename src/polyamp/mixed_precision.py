@@ -17,7 +17,7 @@ import warnings
 from typing import Any
 
 from .errors import PolyampError
-from .frameworks import IDIOMS, canonical_framework, detect, front_end, imported_frameworks
+from .frameworks import canonical_framework, detect, front_end, idiom_owner, imported_frameworks
 from .native import from_native, to_native
 from .policy import Policy
 from .recipe_layers import RecipeLayers
@@ -260,7 +260,7 @@ class MixedPrecision:
 
     # -- another framework's idiom -------------------------------------------------------------------
     def __getattr__(self, name: str):
-        owner = IDIOMS.get(name)
+        owner = idiom_owner(name)
         if owner is None or name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         instead = {  # this framework's way to do what the other idiom's method does
@@ -270,6 +270,10 @@ class MixedPrecision:
                                      "it, and mp.current_scale reads the scale",
             ("torch", "apply"): "mp.step(optimizer) unscales, checks and steps",
             ("torch", "update"): "mp.step(optimizer) unscales, checks, steps and updates the scale",
+            ("keras", "scale"): "fit with mp.optimizer(...) scales the loss, checks and skips; a custom loop "
+                                "on Keras's JAX backend is polyamp.jax's (model.stateless_call)",
+            ("keras", "apply"): "fit with mp.optimizer(...) unscales, checks and skips; a custom loop on "
+                                "Keras's JAX backend is polyamp.jax's (model.stateless_call)",
         }.get((self.framework, name))  # fmt: skip
         here = f" In {self.framework}: {instead}." if instead else ""
         raise WrongIdiomError(
@@ -306,7 +310,7 @@ class _Unbound(MixedPrecision):
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        owner = IDIOMS.get(name)
+        owner = idiom_owner(name)
         if owner is None and name not in ("backward", "step", "watch", "autocast"):
             raise AttributeError(f"'MixedPrecision' object has no attribute {name!r}")
 

@@ -48,13 +48,13 @@ import keras
 import tensorflow as tf
 
 from ..errors import PolyampError
+from ..keras.keep import keep_float32
+from ..keras.policies import KERAS_POLICIES, check_keras, keras_policy, keras_scope
 from ..mixed_precision import MixedPrecision as _Base
 from ..recipes import recipe_spec
 from ..scaling import LossScaleState, NoLossScale
 from ..step import StepResult, check_clip_norm
-from .keep import keep_float32
 from .model_check import check_model_layers, check_traced_loss
-from .policies import KERAS_POLICIES, check_keras, keras_policy, keras_scope
 from .step import LossScaleVariables, attach, check_optimizer, check_pairs, run_step, variable_name
 
 _COMPUTE = {"bf16": tf.bfloat16, "fp32": tf.float32}

@@ -78,9 +78,9 @@ from ..doctor.histogram import LogHistogram
 from ..doctor.recommend import KINDS, Observation
 from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
+from ..keras.keep import named_layers, sublayers
 from .binning import Tally, histogram, ratio_histogram, records
 from .doctor_input import as_tensors, check_input
-from .keep import named_layers, sublayers
 from .snapshot import Snapshot, global_seed_generator
 
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
-from .policies import check_keras
+from ..keras.policies import check_keras
 
 
 def as_tensors(batch):

@@ -8,7 +8,7 @@ import random
 import keras
 import tensorflow as tf
 
-from .keep import named_layers
+from ..keras.keep import named_layers
 
 
 class Snapshot:

@@ -48,11 +48,21 @@ def keras_policy(policy: Policy) -> tuple[str, bool]:
     return KERAS_POLICIES[key]
 
 
-def check_keras() -> None:
-    if keras.backend.backend() != "tensorflow":
+def check_keras(front_end: str = "tensorflow") -> None:
+    """PolyampError unless Keras runs on a backend of ``front_end`` ('tensorflow': TensorFlow; 'keras':
+    JAX or torch), naming the front end that drives the backend it runs on."""
+    backend = keras.backend.backend()
+    if front_end == "tensorflow" and backend != "tensorflow":
         raise PolyampError(
-            f"Keras runs on its {keras.backend.backend()!r} backend here; polyamp's TensorFlow "
-            "front end needs KERAS_BACKEND=tensorflow (set it before importing keras)"
+            f"Keras runs on its {backend!r} backend here; polyamp's TensorFlow front end (its custom "
+            "GradientTape loops, recipes and doctor) needs KERAS_BACKEND=tensorflow, set before importing "
+            "keras. On this backend: MixedPrecision(..., framework='keras'), whose mp.scope(), "
+            "mp.optimizer(...) and mp.callback() train under fit"
+        )
+    if front_end == "keras" and backend not in ("jax", "torch"):
+        raise PolyampError(
+            f"polyamp.keras drives Keras on its 'jax' and 'torch' backends; Keras runs on {backend!r} "
+            "here: MixedPrecision(..., framework='tensorflow') (or framework='keras', which picks it)"
         )
 
 
@@ -83,7 +93,6 @@ def _is_probability_activation(layer) -> bool:
 @contextlib.contextmanager
 def keras_scope(policy: Policy):
     """Layers built inside take the policy's Keras dtype policy; the previous one is restored."""
-    check_keras()
     name, float32_outputs = keras_policy(policy)
     _keep_probabilities_float32(keras.layers.Softmax, lambda layer: True)
     _keep_probabilities_float32(keras.layers.Activation, _is_probability_activation)
