@@ -117,6 +117,41 @@ def test_bf16_mixed_equals_lightnings_bf16_mixed_and_logs_the_scale():
     assert logged["polyamp/loss_scale"] == 1.0 and logged["polyamp/skipped"] == 0
 
 
+class Rows(L.pytorch.loggers.Logger):
+    """A Lightning logger that keeps the rows it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    name, version = "rows", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, {k: v for k, v in metrics.items() if k.startswith("polyamp/")}))
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+def test_the_loss_scale_reaches_the_logger_on_the_steps_it_writes():
+    """log_every_n_steps=3 over 7 steps, overflows at steps 1 and 2: each row the logger writes holds
+    the scale after that step and the skips so far (the plugin logs only on the steps that are written,
+    the skipped ones and the last: ``self.log`` costs more than its step); the last step's values are the
+    Trainer's ``callback_metrics`` at the end."""
+    rows, scales = Rows(), Scales()
+    plugin = Precision("fp16-mixed", device="cpu")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=7, plugins=[plugin], callbacks=[scales],
+                        logger=rows, log_every_n_steps=3, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(GPT2Module(inject={1, 2}), torch.utils.data.DataLoader(batches(14), batch_size=None))
+    written = [(step, m) for step, m in rows.rows if m]
+    assert [step for step, _ in written] == [2, 5]  # steps 3 and 6 (1-based)
+    skipped = [0, 1, 2, 2, 2, 2, 2]
+    for step, metrics in written:
+        assert metrics == {"polyamp/loss_scale": scales.scales[step], "polyamp/skipped": float(skipped[step])}
+    assert trainer.callback_metrics["polyamp/loss_scale"] == scales.scales[-1] and scales.scales[2] == 2.0**14
+
+
 def test_a_recipe_trains_through_the_trainer():
     module = GPT2Module()
     plugin = Precision("mxfp8", device="cpu")
