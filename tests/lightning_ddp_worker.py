@@ -1,8 +1,11 @@
 """Two-rank DDP (gloo, ``strategy="ddp_spawn"``) under polyamp's Lightning plugin, for
-test_lightning.py: step 1's loss overflows on rank 0 only; prints one JSON line per rank with the
-(stepped, scale) of each step."""
+test_lightning.py: step 1's loss overflows on rank 0 only; each rank writes ``rank<N>.json`` into the
+directory named by the first argument: the (stepped, scale) of each step (one file per rank: two ranks
+printing at once interleave their lines)."""
 
 import json
+import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -28,21 +31,21 @@ class RankZeroOverflows(L.LightningModule):
 
 
 class Record(L.Callback):
-    def __init__(self):
-        self.steps = []
+    def __init__(self, out: str):
+        self.steps, self.out = [], Path(out)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, index):
         plugin = trainer.precision_plugin
         self.steps.append((plugin.last_step.stepped, plugin.mp.current_scale))
 
     def on_train_end(self, trainer, module):
-        print(json.dumps({"rank": trainer.global_rank, "steps": self.steps}), flush=True)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
 
 
 if __name__ == "__main__":
     plugin = Precision("fp16-mixed", device="cpu", loss_scale=DynamicLossScale(init_scale=256.0))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3, callbacks=[Record()],
-                        plugins=[plugin], logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=3,
+                        callbacks=[Record(sys.argv[1])], plugins=[plugin], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
     g = torch.Generator().manual_seed(1)
