@@ -133,10 +133,14 @@ def test_mxfp8_trains_resnet18_unlike_bf16_mixed():
     mp = pa.MixedPrecision("mxfp8", framework="mxnet")
     mp.watch(quantized)
     assert len(mp.recipe_layers.quantized) == len(matmul_blocks(quantized)) - 2
+    # the same model, within MXFP8's error: compared on the logits (about 5e4 in size at this He-normal
+    # initialisation, so the cross entropy of the batch moves by ~10 % for a 0.1 % change of them)
+    x, _ = batch(0)
+    a, b = (net(x).asnumpy().astype(np.float64) for net in (mixed, quantized))
+    assert 0 < np.linalg.norm(a - b) / np.linalg.norm(a) < 0.01
     losses = [polyamp_step(MP, mixed, MP.trainer(sgd(mixed.collect_params())), 0),
               polyamp_step(mp, quantized, mp.trainer(sgd(quantized.collect_params())), 0)]  # fmt: skip
     assert np.isfinite(losses).all()
-    np.testing.assert_allclose(losses[0], losses[1], rtol=0.1)  # the same model, within fp8's error
     diff = [np.abs(a - b).max() for a, b in zip(params_of(mixed), params_of(quantized))]
     assert max(diff) > 0  # the quantized GEMMs changed the update
 
