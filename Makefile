@@ -64,11 +64,15 @@ test: venv venv-mxnet venv-timm
 		tests/test_formats.py tests/test_rounding.py tests/test_policy.py tests/test_scaling.py tests/test_import.py \
 		tests/test_doctor_core.py tests/test_doctor_chain.py tests/test_doctor_mxnet.py tests/test_blocks.py tests/test_recipes.py tests/test_mxnet_recipes.py tests/test_mxnet_recipe_conv.py \
 		tests/test_hadamard.py tests/test_doctor_blocks.py tests/test_mxnet_tune.py tests/test_models_mxnet.py tests/test_models_docs.py
-	# Keras 3 on its JAX and torch backends (polyamp.keras): Keras picks its backend once per process
-	KERAS_BACKEND=jax $(PY) -m pytest -q tests/test_keras_backends.py
-	KERAS_BACKEND=torch $(PY) -m pytest -q tests/test_keras_backends.py
-	# timm's ResNet and ViT in their own environment (torch 2.14.1: TIMM_VENV above)
-	POLYAMP_TEST_FRAMEWORKS=torch,timm $(TIMM_PY) -m pytest -q tests/test_models_timm.py
+	# side by side, each in one process, its output kept apart until all three end: Keras 3 on its JAX and
+	# torch backends (polyamp.keras; Keras picks its backend once per process), and timm's ResNet and ViT in
+	# their own environment (torch 2.14.1: TIMM_VENV above)
+	mkdir -p build/test-logs
+	KERAS_BACKEND=jax $(PY) -m pytest -q tests/test_keras_backends.py > build/test-logs/keras-jax.log 2>&1 & a=$$!; \
+	KERAS_BACKEND=torch $(PY) -m pytest -q tests/test_keras_backends.py > build/test-logs/keras-torch.log 2>&1 & b=$$!; \
+	POLYAMP_TEST_FRAMEWORKS=torch,timm $(TIMM_PY) -m pytest -q tests/test_models_timm.py > build/test-logs/timm.log 2>&1 & c=$$!; \
+	status=0; for pid in $$a $$b $$c; do wait $$pid || status=1; done; \
+	for log in keras-jax keras-torch timm; do echo "== $$log"; tail -n 25 build/test-logs/$$log.log; done; exit $$status
 
 bench: venv
 	$(PY) benchmarks/quantize.py

@@ -26,6 +26,8 @@ import polyamp as pa  # noqa: E402
 from polyamp.errors import NonFiniteError, PolyampError  # noqa: E402
 
 INF = float("inf")
+# Keras's own conversions on numpy 2 (keras/src/backend/*/core.py), not polyamp's
+pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation doesn:DeprecationWarning")
 
 
 def keras_preset(policy="fp16-mixed", **changes):
