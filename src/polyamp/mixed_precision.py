@@ -110,7 +110,8 @@ class MixedPrecision:
     >>> mp.backward(loss)                           # doctest: +SKIP
     >>> result = mp.step(optimizer, clip_grad_norm=1.0)  # doctest: +SKIP
 
-    ``framework`` names the framework ('torch', 'tensorflow', 'jax', 'mxnet' or an alias);
+    ``framework`` names the framework ('torch', 'tensorflow', 'jax', 'mxnet' or an alias; 'keras' is the
+    front end of the backend Keras runs on: tensorflow's, or ``polyamp.keras`` on JAX and torch);
     default: the only one imported, else the first one the object is handed.
     ``device`` is the autocast device ('cpu', 'cuda'; default: cuda when available, else cpu).
     ``process_group`` is the group whose ranks must agree on skipping (default: the world).
