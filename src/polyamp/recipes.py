@@ -179,9 +179,6 @@ def get_recipe(name: str | Recipe, **overrides: Any) -> Recipe:
 def refusal(recipe: Recipe, framework: str) -> str | None:
     """Why ``framework``'s front end cannot train with ``recipe`` yet, or None when it can."""
     name = repr(recipe.name)
-    if framework == "keras":
-        return (f"the {name} recipe trains with Keras on its TensorFlow backend (KERAS_BACKEND=tensorflow), "
-                "or in polyamp.jax / polyamp.torch; with Keras on JAX or torch: the 16-bit policies")
     if framework not in BUILT_ON:
         return (f"the {name} recipe trains in polyamp's {', '.join(BUILT_ON)} front ends so far, not in "
                 f"{framework}'s; accepted there: the 16-bit policies (bf16-mixed, fp16-mixed, ...)")

@@ -39,8 +39,13 @@ class MixedPrecision(_Base):
 
     framework = "keras"
 
+    def _check_recipe(self) -> None:
+        raise PolyampError(f"the {self.recipe.name!r} recipe trains with Keras on its TensorFlow backend "
+                           "(KERAS_BACKEND=tensorflow), or in polyamp.jax / polyamp.torch; with Keras on JAX "
+                           "or torch: the 16-bit policies (bf16-mixed, fp16-mixed, ...)")  # fmt: skip
+
     def _setup(self) -> None:
-        check_keras("keras")  # a recipe was refused before (recipes.refusal)
+        check_keras("keras")
         self._optimizer: KerasOptimizer | None = None
         self._kept: list[str] = []
 
