@@ -18,9 +18,6 @@ from typing import Any
 from .errors import PolyampError, invalid
 
 FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
-# Keras 3 on its TensorFlow backend is the tensorflow front end's; on its JAX and torch backends it is
-# polyamp.keras's, the one front end that is not a framework of its own
-FRONT_ENDS = (*FRAMEWORKS, "keras")
 _MODULE_ROOTS = {"torch": "torch", "tensorflow": "tensorflow", "keras": "tensorflow",
                  "tf_keras": "tensorflow", "jax": "jax", "jaxlib": "jax", "optax": "jax",
                  "flax": "jax", "equinox": "jax", "mxnet": "mxnet"}  # fmt: skip
@@ -40,7 +37,8 @@ IDIOMS = {
 }  # fmt: skip
 
 
-# the Keras idioms: the tensorflow front end's, or polyamp.keras's on the other Keras backends
+# the Keras idioms: the tensorflow front end's on Keras's TensorFlow backend; on its JAX and torch backends
+# polyamp.keras's, the one front end that is not a framework of its own
 KERAS_IDIOMS = ("scope", "optimizer", "callback")
 
 
@@ -66,8 +64,7 @@ def keras_front_end() -> str:
 
 def idiom_owner(method: str) -> str | None:
     """The front end whose idiom ``method`` is (``IDIOMS``; the Keras ones by the Keras backend)."""
-    owner = IDIOMS.get(method)
-    return keras_front_end() if method in KERAS_IDIOMS else owner
+    return keras_front_end() if method in KERAS_IDIOMS else IDIOMS.get(method)
 
 
 def canonical_framework(name: Any) -> str:
@@ -112,5 +109,5 @@ def front_end(name: str) -> type:
     return module.MixedPrecision
 
 
-__all__ = ["ALIASES", "FRAMEWORKS", "FRONT_ENDS", "IDIOMS", "KERAS_IDIOMS", "canonical_framework", "detect",
+__all__ = ["ALIASES", "FRAMEWORKS", "IDIOMS", "KERAS_IDIOMS", "canonical_framework", "detect",
            "front_end", "idiom_owner", "imported_frameworks", "keras_backend", "keras_front_end"]
