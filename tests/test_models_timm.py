@@ -1,5 +1,5 @@
 """Real timm models under polyamp's PyTorch front end: ``resnet18`` and a 2-block ``vit_tiny_patch16_224``
-at 16 x 16 / 32 x 32 pixels, built by ``timm.create_model`` (no weights, no downloads): bf16-mixed equals
+at 32 x 32 pixels, built by ``timm.create_model`` (no weights, no downloads): bf16-mixed equals
 native ``torch.autocast`` training, fp16-mixed trains with a loss scale, each recipe quantizes every
 convolution and linear layer but the kept first and last (``mp.recipe_layers``), a checkpoint resumes in
 a new process bit for bit, the doctor writes its report on a ResNet whose zero-initialised last
@@ -38,7 +38,8 @@ def build(kind: str, seed: int = 0):
 
 def batch(kind: str, step: int):
     g = torch.Generator().manual_seed(100 + step)
-    size = 16 if kind == "resnet" else 32
+    size = 32  # ResNet: 16 x 16 left layer4 a 1 x 1 input, where torch 2.14.1's bf16 convolution backward on
+    # an AVX-512 CPU gave layer4.0.conv1 a non-finite weight gradient now and then (native autocast alike)
     return torch.randn(BATCH, 3, size, size, generator=g), torch.randint(0, CLASSES, (BATCH,), generator=g)
 
 
@@ -91,8 +92,8 @@ def test_bf16_mixed_trains_bit_identically_to_native_autocast(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_fp16_mixed_trains_with_a_loss_scale(kind):
-    """A step whose scaled gradients overflow fp16 is skipped and halves the scale until one steps: resnet18
-    at batch 2, 16 x 16, has float32 weight gradients up to 13.4 (conv1), 2^16 times that overflows."""
+    """A step whose scaled gradients overflow fp16 is skipped and halves the scale until one steps (resnet18's
+    weight gradients times 2^16 overflow fp16)."""
     model = build(kind)
     mp = pa.MixedPrecision("fp16-mixed", framework="torch", device="cpu")
     mp.watch(model)
