@@ -11,7 +11,7 @@ from frameworks import mxnet_bf16_refused
 
 from polyamp import PolyampError
 from polyamp.cli import main
-from polyamp.compare import runner
+from polyamp.compare import interpreters, runner
 from polyamp.compare.cli import compare
 from polyamp.compare.workloads import WORKLOADS, get_workload
 
@@ -31,7 +31,7 @@ def test_workloads_are_deterministic_and_shared():
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
-    frameworks = runner.installed_frameworks()
+    frameworks = interpreters.installed_frameworks()
     assert "torch" in frameworks
     code = main(["compare", "--quick", "--out", str(out), "--frameworks", ",".join(frameworks)])
     assert code == 0  # MXNet's fp16-mixed is unsupported on CPU: reported, not a crash
@@ -150,8 +150,8 @@ def _broken_python(tmp_path):
 
 def test_a_crash_and_a_timeout_are_reported_and_the_run_finishes(tmp_path, monkeypatch, capsys):
     broken = _broken_python(tmp_path)
-    real = runner.interpreter
-    monkeypatch.setattr(runner, "interpreter", lambda f: broken if f == "jax" else real(f))
+    real = interpreters.interpreter
+    monkeypatch.setattr(interpreters, "interpreter", lambda f: broken if f == "jax" else real(f))
     slow = runner.run([("torch", "mlp", "float32")], quick=True, timeout=0.5)
     assert slow[0]["status"] == "timeout" and "0.5 s" in slow[0]["error"]
     code = main(["compare", "--quick", "--frameworks", "jax,torch", "--workloads", "digits",
@@ -225,19 +225,19 @@ def test_mxnet_is_found_from_any_directory_or_reported_with_how_to_install(tmp_p
     wherever compare runs from; without one, its cases are rows saying how to install it."""
     monkeypatch.delenv("POLYAMP_MXNET_PYTHON", raising=False)
     monkeypatch.chdir(tmp_path)  # no .venv-mxnet here
-    expected = "mxnet" if runner.PROJECT_MXNET_PYTHON.exists() else None
-    assert ("mxnet" in runner.installed_frameworks()) == (expected == "mxnet")
-    monkeypatch.setattr(runner, "PROJECT_MXNET_PYTHON", tmp_path / "nowhere" / "python")
-    assert "mxnet" not in runner.installed_frameworks()
+    expected = "mxnet" if interpreters.PROJECT_MXNET_PYTHON.exists() else None
+    assert ("mxnet" in interpreters.installed_frameworks()) == (expected == "mxnet")
+    monkeypatch.setattr(interpreters, "PROJECT_MXNET_PYTHON", tmp_path / "nowhere" / "python")
+    assert "mxnet" not in interpreters.installed_frameworks()
     assert ("mxnet", "digits", "float32") in runner.plan(workloads=["digits"])  # not dropped
     with pytest.raises(PolyampError, match=r"mxnet is not installed here \(MXNet 1.9 needs numpy<1.24"):
         runner.plan(frameworks=["mxnet"])
     records = runner.run([("mxnet", "digits", "float32"), ("mxnet", "mlp", "float32")], quick=True)
-    assert [r["status"] for r in records] == [runner.NOT_INSTALLED] * 2
+    assert [r["status"] for r in records] == [interpreters.NOT_INSTALLED] * 2
     assert all("make venv-mxnet" in r["error"] and "--mxnet-python" in r["error"] for r in records)
     monkeypatch.setenv("POLYAMP_MXNET_PYTHON", str(tmp_path / "missing"))
     with pytest.raises(PolyampError, match="MXNet interpreter .*missing.* does not exist"):
-        runner.installed_frameworks()
+        interpreters.installed_frameworks()
     code = main(["compare", "--frameworks", "mxnet", "--mxnet-python", str(tmp_path / "missing"),
                  "--out", str(tmp_path / "out")])  # fmt: skip
     assert code == 2

@@ -10,7 +10,7 @@ from frameworks import mxnet_bf16_refused
 
 from polyamp import PolyampError
 from polyamp.cli import main
-from polyamp.compare import converge, runner
+from polyamp.compare import converge, interpreters
 from polyamp.compare.converge import CAPPED, Plan, Run, make_plan, train, work
 from polyamp.compare.convergence import Stat, summarize
 
@@ -237,8 +237,8 @@ def test_a_crashed_worker_costs_its_run_and_exits_1(tmp_path, monkeypatch, capsy
     broken = tmp_path / "python"
     broken.write_text("#!/bin/sh\necho 'simulated interpreter crash' >&2\nexit 3\n")
     broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
-    real = runner.interpreter
-    monkeypatch.setattr(runner, "interpreter", lambda f: str(broken) if f == "jax" else real(f))
+    real = interpreters.interpreter
+    monkeypatch.setattr(interpreters, "interpreter", lambda f: str(broken) if f == "jax" else real(f))
     code = main(["compare", "--converge", "--quick", "--seeds", "2", "--frameworks", "jax", "--workloads",
                  "digits", "--policies", "float32", "--out", str(tmp_path / "out"), "--json"])  # fmt: skip
     assert code == 1
@@ -250,7 +250,8 @@ def test_a_crashed_worker_costs_its_run_and_exits_1(tmp_path, monkeypatch, capsy
     assert [r["status"] for r in report["runs"]] == ["failed", "failed"]  # the second in a new process
 
 
-@pytest.mark.skipif("mxnet" not in runner.installed_frameworks(), reason="no .venv-mxnet (make venv-mxnet)")
+@pytest.mark.skipif("mxnet" not in interpreters.installed_frameworks(),
+                    reason="no .venv-mxnet (make venv-mxnet)")
 def test_a_tiny_converge_run_of_mxnet_runs_in_its_own_environment(tmp_path):
     out = tmp_path / "out"
     code = main(["compare", "--converge", "--quick", "--seeds", "2", "--frameworks", "mxnet", "--workloads",

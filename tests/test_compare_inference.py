@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from frameworks import mxnet_bf16_refused
 
-from polyamp.compare import runner
+from polyamp.compare import interpreters, runner
 from polyamp.compare.lockstep import run_lockstep
-from polyamp.compare.timing import IN_PROCESS, LOCKSTEP
 from polyamp.compare.workloads import get_workload
+from polyamp.timing import IN_PROCESS, LOCKSTEP
 
 POLICIES = ("float32", "bf16-mixed", "fp16-mixed")
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
@@ -50,13 +50,14 @@ def _records(framework: str, python: str, tmp_path) -> list[dict]:
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     """Each installed framework's group, started at once, two at a time (each one's own processes)."""
-    installed = {f: runner.interpreter(f) for f in ("tensorflow", "mxnet", "jax", "torch")}  # slowest first
+    slowest_first = ("tensorflow", "mxnet", "jax", "torch")
+    installed = {f: interpreters.interpreter(f) for f in slowest_first}
     with ThreadPoolExecutor(2) as pool:
         yield {f: pool.submit(_records, f, python, tmp_path_factory.mktemp(f))
                for f, python in installed.items() if python is not None}  # fmt: skip
 
 
-@pytest.mark.parametrize("framework", runner.FRAMEWORKS)
+@pytest.mark.parametrize("framework", interpreters.FRAMEWORKS)
 def test_every_trained_case_records_its_memory_and_paired_inference(framework, groups):
     if framework not in groups:
         pytest.skip(f"{framework} is not installed")

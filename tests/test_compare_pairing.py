@@ -18,11 +18,15 @@ import pytest
 from frameworks import mxnet_bf16_refused
 
 from polyamp import PolyampError
-from polyamp.compare import report, runner, verdict
+from polyamp.compare import interpreters, report, runner, verdict
 from polyamp.compare.flops import train_step_flops
+from polyamp.compare.pairing import INFER_MAX_CALLS, infer_budget_for, pair_group
 from polyamp.compare.report import summarize, terminal_table, write_report
 from polyamp.compare.roofline import share
-from polyamp.compare.timing import (
+from polyamp.compare.worker import PolicyRun
+from polyamp.compare.workloads import get_workload
+from polyamp.step import StepResult
+from polyamp.timing import (
     IN_PROCESS,
     LOCKSTEP,
     WARMUP_ONLY,
@@ -31,9 +35,6 @@ from polyamp.compare.timing import (
     paired_ratio,
     run_rounds,
 )
-from polyamp.compare.worker import INFER_MAX_CALLS, PolicyRun, infer_budget_for, pair_group
-from polyamp.compare.workloads import get_workload
-from polyamp.step import StepResult
 
 
 class Clock:
@@ -349,7 +350,7 @@ def _ratio_of_rounds(base: list, case: list) -> float:
 
 @pytest.mark.parametrize("framework", ["torch", "mxnet"])
 def test_a_real_quick_run_records_rounds_intervals_and_roofline_shares(framework):
-    if framework not in runner.installed_frameworks():
+    if framework not in interpreters.installed_frameworks():
         pytest.skip(f"{framework} is not installed")
     policies = ("float32", "bf16-mixed", "fp16-mixed")
     started = time.perf_counter()

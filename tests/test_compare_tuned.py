@@ -9,8 +9,8 @@ import pytest
 from frameworks import require
 
 from polyamp.compare import tuned
-from polyamp.compare.timing import PolicyTimes
 from polyamp.errors import PolyampError
+from polyamp.timing import PolicyTimes
 from polyamp.tune import allocator
 
 

@@ -357,7 +357,7 @@ def test_keras_model_non_finite_in_float32_names_the_layer():
 
 
 def test_cli_runs_mxnet_in_its_own_environment(tmp_path):
-    from polyamp.compare.runner import mxnet_python
+    from polyamp.compare.interpreters import mxnet_python
 
     if mxnet_python() is None:
         pytest.skip("no .venv-mxnet (make venv-mxnet) and no POLYAMP_MXNET_PYTHON")

@@ -16,8 +16,6 @@ from polyamp import PolyampError
 from polyamp.frameworks import FRAMEWORKS, IDIOMS
 
 SRC = Path(pa.__file__).parent
-CORE = ["errors", "policy", "presets", "scaling", "step", "native", "frameworks", "mixed_precision", "eager",
-        "numerics"]  # fmt: skip
 SHARED_METHODS = ("backward", "step", "watch", "autocast")
 IN_THIS_VENV = [f for f in FRAMEWORKS if f != "mxnet"]
 
@@ -151,70 +149,106 @@ def test_another_framework_s_idiom_is_a_clear_error_and_not_an_attribute():
         jax_mp.step(None)
 
 
+FRONT_ENDS = (*FRAMEWORKS, "keras")  # polyamp.keras: Keras's vocabulary, which the TensorFlow one shares
+# entry points over the front ends: the commands, the comparison, the host trainers' public paths
+TOP = ("compare", "cli", "lightning", "hf", "accelerate", "__main__")
+
+
+def module_name(path: Path) -> str:
+    parts = ["polyamp", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str:
+    """'core', a front end's name, or 'top' for a module ``polyamp.<head>...``."""
+    head = module.split(".")[1] if "." in module else ""
+    return head if head in FRONT_ENDS else "top" if head in TOP else "core"
+
+
+def _type_checking(node) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
 def imports_of(path: Path) -> set[str]:
-    """The polyamp modules ``path`` imports (relative imports resolved)."""
-    package = ["polyamp", *path.relative_to(SRC).parent.parts]
+    """The polyamp modules ``path`` imports when it runs (at import time or inside a function; relative
+    imports resolved; ``if TYPE_CHECKING:`` blocks left out)."""
+    package = module_name(path).split(".")
+    package = package if path.name == "__init__.py" else package[:-1]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    todo = [ast.parse(path.read_text())]
+    while todo:
+        node = todo.pop()
+        if _type_checking(node):
+            continue
+        todo.extend(ast.iter_child_nodes(node))
         if isinstance(node, ast.ImportFrom) and node.level:
             base = package[: len(package) - node.level + 1]
             target = ".".join([*base, *([node.module] if node.module else [])])
-            names = [target] if node.module else [f"{target}.{a.name}" for a in node.names]
-            found.update(names)
+            found.update([target] if node.module else [f"{target}.{a.name}" for a in node.names])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("polyamp"):
+            found.add(node.module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("polyamp"))
     return found
 
 
-def test_dependencies_point_from_the_front_ends_to_the_core():
-    fronts = [*FRAMEWORKS, "compare", "backends"]
-    for core in CORE:
-        files = sorted((SRC / core).glob("*.py")) if (SRC / core).is_dir() else [SRC / f"{core}.py"]
-        for path in files:
-            for target in imports_of(path):
-                head = target.split(".")[1] if "." in target else ""
-                assert head not in fronts, f"core module {path.name} imports {target}"
-    for name in [*FRAMEWORKS, "keras"]:  # polyamp.keras: Keras's vocabulary, which the TensorFlow one shares
-        allowed = {name, "keras"} if name == "tensorflow" else {name}
-        for path in sorted((SRC / name).glob("*.py")):
-            for target in imports_of(path):
-                head = target.split(".")[1] if "." in target else ""
-                assert head not in [f for f in [*fronts, "keras"] if f not in allowed], \
-                    f"{name}/{path.name} imports {target}"
+MODULES = {module_name(path): path for path in sorted(SRC.rglob("*.py"))}
 
 
-OLD_PATHS = [("polyamp.backends.jax", "polyamp.jax", "step_if_finite"),
-             ("polyamp.backends.jax_autocast", "polyamp.jax.autocast", "AutocastRules"),
-             ("polyamp.backends.tensorflow", "polyamp.tensorflow", "LossScaleLogger"),
-             ("polyamp.training", "polyamp.mixed_precision", "MixedPrecision")]  # fmt: skip
+def test_dependencies_point_from_the_top_to_the_front_ends_to_the_core():
+    """The core imports only the core; a front end the core and itself (TensorFlow's also Keras's
+    vocabulary, ``polyamp.keras``); the entry points anything."""
+    assert {layer(m) for m in MODULES} >= {"core", "top", *FRONT_ENDS}
+    for module, path in MODULES.items():
+        own = layer(module)
+        allowed = {"core", "top", *FRONT_ENDS} if own == "top" else {"core", own}
+        if own == "tensorflow":
+            allowed.add("keras")
+        for target in imports_of(path):
+            assert layer(target) in allowed, f"{module} ({own}) imports {target} ({layer(target)})"
 
 
-@pytest.fixture(scope="module")
-def old_path_runs():
-    """One fresh interpreter per old path, all started at once: each imports the new module, then the
-    old one, and prints whether they hold the same object and the DeprecationWarnings raised."""
-    runs = {}
-    for old, new, name in OLD_PATHS:
-        code = (
-            f"import warnings\nwarnings.simplefilter('always')\nimport {new}\n"
-            f"with warnings.catch_warnings(record=True) as w:\n    import {old} as old\n"
-            f"print(old.{name} is {new}.{name},\n"
-            "      [str(x.message) for x in w if x.category is DeprecationWarning])"
-        )
-        runs[old] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)  # fmt: skip
-    yield runs
-    for proc in runs.values():
-        proc.kill()
-        proc.communicate()
+def test_the_core_reaches_a_front_end_only_through_front_end_module():
+    """No ``importlib`` / ``__import__`` in the core outside ``frameworks.py``, whose
+    ``front_end_module`` (and ``ops_of`` over it) is the one way in."""
+    for module, path in MODULES.items():
+        if layer(module) != "core" or module == "polyamp.frameworks":
+            continue
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        imported = {a.name for n in nodes for a in n.names}
+        imported |= {n.module for n in nodes if isinstance(n, ast.ImportFrom)}
+        assert "__import__" not in names and not {"importlib", "import_module"} & imported, module
 
 
-@pytest.mark.parametrize(("old", "new", "name"), OLD_PATHS)
-def test_the_old_module_paths_still_import_with_a_deprecation_warning(old, new, name, old_path_runs):
-    require("jax" if "jax" in new else "keras" if "tensorflow" in new else "numpy")
-    out, err = old_path_runs[old].communicate(timeout=300)
-    assert old_path_runs[old].returncode == 0, err
-    assert out.strip().splitlines()[-1] == f"True ['{old} moved to {new}']"
+def test_no_module_imports_itself_back():
+    """The runtime import graph of polyamp has no cycle (a package and its submodules included)."""
+    graph = {}
+    for module, path in MODULES.items():
+        targets = set()
+        for target in imports_of(path):
+            while target not in MODULES and "." in target:  # ``from .x import name``: the module x
+                target = target.rsplit(".", 1)[0]
+            if target != module:
+                targets.add(target)
+        graph[module] = targets
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m, stack):
+        state[m] = 1
+        for t in sorted(graph.get(m, ())):
+            if state.get(t) == 1:
+                cycles.append(stack[stack.index(t):] + [t])
+            elif t not in state:
+                visit(t, [*stack, t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
 def test_framework_keras_is_the_front_end_of_the_backend_keras_will_run_on(tmp_path):

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from .errors import PolyampError, invalid
@@ -94,20 +95,42 @@ def imported_frameworks() -> list[str]:
     return [name for name in FRAMEWORKS if name in sys.modules]
 
 
-def front_end(name: str) -> type:
-    """The ``MixedPrecision`` class of a framework's front end; imports the framework."""
+def front_end_module(name: str, part: str | None = None) -> ModuleType:
+    """``polyamp.<name>`` or its module ``polyamp.<name>.<part>``, imported (which imports the framework).
+
+    The one place the core reaches a front end (the dependency test allows ``importlib`` nowhere else
+    in it): the factory, the doctor's taps (``doctor``), tune's steps (``tune``) and the ops of a tensor
+    (``xp``) come through here. A framework that is not installed is a ``PolyampError``.
+    """
     name = canonical_framework(name)
-    module_name = f"polyamp.{name}"
     try:
-        module = importlib.import_module(module_name)
+        return importlib.import_module(f"polyamp.{name}" + (f".{part}" if part else ""))
     except ModuleNotFoundError as err:
         if err.name and err.name.split(".")[0] in (name, "keras", "optax"):
             raise PolyampError(
                 f"framework {name!r} is not installed; install it with pip install 'polyamp[{name}]'"
             ) from err
         raise
-    return module.MixedPrecision
 
 
-__all__ = ["ALIASES", "FRAMEWORKS", "IDIOMS", "KERAS_IDIOMS", "canonical_framework", "detect",
-           "front_end", "idiom_owner", "imported_frameworks", "keras_backend", "keras_front_end"]
+def ops_of(x: Any) -> ModuleType | None:
+    """The ops module ``polyamp.<framework>.xp`` of a tensor whose framework is imported, else None.
+
+    As einops' ``get_backend``: ``detect`` proves the framework is already in ``sys.modules``, so
+    this costs no framework import; the core's algorithms then run on ``x`` over that module.
+    """
+    name = detect(x)
+    if name not in FRAMEWORKS:
+        return None
+    xp = front_end_module(name, "xp")
+    return xp if xp.accepts(x) else None
+
+
+def front_end(name: str) -> type:
+    """The ``MixedPrecision`` class of a framework's front end; imports the framework."""
+    return front_end_module(name).MixedPrecision
+
+
+__all__ = ["ALIASES", "FRAMEWORKS", "IDIOMS", "KERAS_IDIOMS", "canonical_framework", "detect", "front_end",
+           "front_end_module", "idiom_owner", "imported_frameworks", "keras_backend", "keras_front_end",
+           "ops_of"]

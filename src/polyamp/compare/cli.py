@@ -9,7 +9,7 @@ import time
 from datetime import datetime, timezone
 
 from ..errors import PolyampError
-from . import runner
+from . import interpreters, runner
 
 
 def _split(value: str | None) -> list[str] | None:
@@ -45,7 +45,7 @@ def compare(args) -> int:
         "budget_s": args.budget,
         "infer_budget_s": getattr(args, "infer_budget", None),
         "timeout_s": args.timeout,
-        "machine": runner.machine(),
+        "machine": interpreters.machine(),
         "total_s": round(time.perf_counter() - started, 1),
     }
     paths = write_report(records, settings, args.out)
@@ -57,9 +57,9 @@ def compare(args) -> int:
         print(terminal_table(report["rows"], smoke=args.quick))
         print(f"\n{len(records)} cases in {settings['total_s']:.0f} s. Report: {paths['markdown']}")
         print("Plots: " + ", ".join(str(p) for p in paths["plots"]))
-    missing = sorted({r["framework"] for r in records if r.get("status") == runner.NOT_INSTALLED})
+    missing = sorted({r["framework"] for r in records if r.get("status") == interpreters.NOT_INSTALLED})
     for name in missing:
-        how = runner.HOW_TO_INSTALL[name]
+        how = interpreters.HOW_TO_INSTALL[name]
         print(f"polyamp compare: {name} is not installed here: {how}", file=sys.stderr)
     crashed = [r for r in records if r.get("status") in runner.CRASHED]
     if not crashed:
@@ -118,7 +118,7 @@ def converge(args) -> int:
         steps={w: plan.steps_for(w) for w in plan.workloads}, jobs=jobs,
         threads_per_job=threads,
         date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=_command(),
-        machine=runner.machine(), wall_s=round(time.perf_counter() - started, 1),
+        machine=interpreters.machine(), wall_s=round(time.perf_counter() - started, 1),
     )  # fmt: skip
     summaries = convergence.summarize(runs)
     paths = convergence.write(settings, runs, summaries, args.out)
@@ -128,8 +128,8 @@ def converge(args) -> int:
         print(convergence.terminal_table(summaries))
         print(f"\n{len(runs)} runs in {settings.wall_s:.0f} s. Report: {paths['markdown']}, "
               f"figure: {paths['figure']}")  # fmt: skip
-    for name in sorted({r.framework for r in runs if r.status == runner.NOT_INSTALLED}):
-        how = runner.HOW_TO_INSTALL[name]
+    for name in sorted({r.framework for r in runs if r.status == interpreters.NOT_INSTALLED}):
+        how = interpreters.HOW_TO_INSTALL[name]
         print(f"polyamp compare: {name} is not installed here: {how}", file=sys.stderr)
     crashed = [r for r in runs if r.status in runner.CRASHED]
     if not crashed:

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import PolyampError
-from . import runner
+from . import interpreters, runner
 from .workloads import WORKLOADS, get_workload
 
 DEFAULT_SEEDS = 3
@@ -143,7 +143,7 @@ def make_plan(frameworks=None, workloads=None, policies=None, seeds=DEFAULT_SEED
 # -- in the worker --------------------------------------------------------------------------------
 def train(module, plan: Plan, run: Run, clock: Callable[[], float] = time.perf_counter) -> Run:
     """Train ``run`` with the trainer class of ``module`` (``Trainer(wl, policy)``); fills ``run``."""
-    from .worker import error_fields
+    from .pairing import error_fields
 
     start = clock()
     every = plan.every(run.workload)
@@ -278,10 +278,10 @@ def run_all(plan: Plan, progress: Callable[[Run, bool], None] | None = None, job
         notify(run, True)
 
     def run_job(runs: list[Run]) -> None:
-        python = runner.interpreter(runs[0].framework)
+        python = interpreters.interpreter(runs[0].framework)
         if python is None:
             for run in runs:
-                skip(run, runner.NOT_INSTALLED, runner.HOW_TO_INSTALL[run.framework])
+                skip(run, interpreters.NOT_INSTALLED, interpreters.HOW_TO_INSTALL[run.framework])
             return
         with lock:
             after = {r.case: capped[r.case] for r in runs if r.case in capped}

@@ -3,7 +3,7 @@
 contrib.amp patches MXNet's operators for a whole process in one dtype, so each MXNet policy gets
 its own ``worker --serve`` process. This process sends ``step`` to one at a time while the others
 wait idle on their pipe, so the rounds interleave in time as they do in one process, and
-``worker.pair_group`` pairs them the same way, their inference calls too. What differs from
+``pairing.pair_group`` pairs them the same way, their inference calls too. What differs from
 in-process pairing, and is labelled ``LOCKSTEP`` in the records: the policies run in separate
 processes (their own caches, allocators and thread pools). A process that dies or passes the
 timeout (per command) costs its policy's case in the current group; the next group starts a fresh
@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .timing import LOCKSTEP, CaseError
-from .worker import NOT_MEASURED, pair_group, pair_groups
+from ..timing import LOCKSTEP, CaseError
+from .pairing import NOT_MEASURED, pair_group, pair_groups
 from .workloads import get_workload
 
 
@@ -74,7 +74,7 @@ class Served:
 
 
 class RemoteRun:
-    """A policy in its own process, seen as ``worker.pair_group`` sees a local one."""
+    """A policy in its own process, seen as ``pairing.pair_group`` sees a local one."""
 
     def __init__(self, served: Served, timeout: float):
         self.served, self.timeout = served, timeout
@@ -131,7 +131,7 @@ def run_lockstep(cases: list, python: str, env: dict, tmp: Path, quick: bool, st
             for k in group:
                 notify(k, None)
             if roofline and measured is None:
-                measured = _roofline(pool.get(cases[group[0]][2]), framework, quick, timeout)
+                measured = roofline_of(pool.get(cases[group[0]][2]), framework, quick, timeout)
             for k, record in _group(pool, cases, group, quick, steps, budget, timeout, infer_budget):
                 notify(k, record)
     finally:
@@ -170,7 +170,7 @@ def _group(pool: Pool, cases: list, group: list[int], quick: bool, steps, budget
         yield k, {**record, **info[policy], **fields[policy], "wall_s": wall}
 
 
-def _roofline(proc: Served, framework: str, quick: bool, timeout: float) -> dict:
+def roofline_of(proc: Served, framework: str, quick: bool, timeout: float) -> dict:
     try:
         return proc.call(timeout, op="roofline", framework=framework, quick=quick)["roofline"]
     except CaseError as err:  # not a case's failure: the roofline says what happened

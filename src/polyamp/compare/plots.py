@@ -8,7 +8,6 @@ pyplot, no display, matplotlib imported only when a figure is drawn.
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -223,45 +222,3 @@ def roofline_figure(rows: list[Row]):
               "compute dtype", ylabel="% of peak", log=False, value=share, label=lambda r: f"{share(r):.0f}%",
         missing=lambda r: "n/a" if r.ok else r.status, lines=((100.0, "peak"),),
     ))  # fmt: skip
-
-
-def tuned_figure(results: dict):
-    """``compare --tuned``: per workload, each row's median step (horizontal bars; float32 black), its
-    paired speed-up over the fastest float32 row and share of the matmul peak; the dotted line is the
-    step the 1.6x target asks of bf16."""
-    from .tuned import TARGET, TunedRow
-
-    workloads = results["workloads"]
-    bars = sum(len(w["rows"]) for w in workloads.values())
-    fig = new_figure(10.0, 1.2 + 0.45 * bars + 0.6 * len(workloads))
-    axes = fig.subplots(len(workloads), 1, squeeze=False)[:, 0]
-    for ax, res in zip(axes, workloads.values()):
-        rows = res["rows"]
-        labels = [TunedRow(**{k: r[k] for k in ("framework", "workload", "policy", "settings", "env")}).label
-                  for r in rows]  # fmt: skip
-        ms = [r["median_s"] * 1e3 if r["median_s"] else 0.0 for r in rows]
-        colors = ["black" if r["policy"] == BASELINE_POLICY else PALETTE[0] for r in rows]
-        ax.barh(range(len(rows)), ms, color=colors)
-        for y, (r, v) in enumerate(zip(rows, ms)):
-            if r["status"] != "ok" or not r["median_s"]:
-                text = f" {r['status']}"
-            else:
-                pct = f", {r['roofline_share']:.0%} of peak" if r["roofline_share"] is not None else ""
-                text = f" {v:.3g} ms, {_x(r['speedup'])}{pct}"
-            ax.text(v, y, text, va="center", fontsize=8)
-        fp32 = [v for r, v in zip(rows, ms) if r["policy"] == BASELINE_POLICY and v > 0]
-        if fp32:
-            ax.axvline(min(fp32) / TARGET, color="grey", linestyle=":", label=f"best float32 / {TARGET}")
-            ax.legend(loc="best")
-        ax.set_yticks(range(len(rows)), labels, fontsize=7)
-        ax.invert_yaxis()
-        ax.set_xlim(0, max(ms + [1.0]) * 1.8)
-        ax.set_xlabel("median step, ms (lower is faster)")
-        ax.set_title(textwrap.fill(res["verdict"]["text"], 100), fontsize=8)
-    fig.suptitle("Tuned configurations of every framework, stepped side by side (paired rounds)")
-    fig.tight_layout()
-    return fig
-
-
-def _x(value) -> str:
-    return "—" if value is None else f"{value:.2f}x best fp32"

@@ -94,7 +94,7 @@ def _versions(rows: list[Row]) -> dict:
 def _pairing_notes(rows: list[Row], cores: int | None) -> list[str]:
     """Which rows were not paired in one process, which rest on fewer than 5 rounds, and which were
     timed while the machine's load average exceeded its ``cores``."""
-    from .timing import LOCKSTEP
+    from ..timing import LOCKSTEP
 
     out = []
     across = ("MXNet's AMP is process-wide, so each policy ran in its own process; the processes stepped "

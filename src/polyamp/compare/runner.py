@@ -12,13 +12,10 @@ compared with.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import platform
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,72 +26,16 @@ from numbers import Real
 from pathlib import Path
 
 from ..errors import PolyampError
+from . import interpreters
+from .interpreters import FRAMEWORKS, HOW_TO_INSTALL, NOT_INSTALLED
 from .lockstep import run_lockstep
-from .worker import BASELINE, infer_budget_for, pair_groups
+from .pairing import BASELINE, infer_budget_for, pair_groups
 from .workloads import WORKLOADS, check_steps, get_workload
 
-FRAMEWORKS = ("torch", "tensorflow", "jax", "mxnet")
 DEFAULT_POLICIES = ("float32", "bf16-mixed", "fp16-mixed")
-# the project's own MXNet environment (``make venv-mxnet``), for a source checkout
-PROJECT_MXNET_PYTHON = Path(__file__).resolve().parents[3] / ".venv-mxnet" / "bin" / "python"
 # contrib.amp patches MXNet's operators for the whole process, in one dtype: one process per policy
 _AMP_PER_PROCESS = ("mxnet",)
 CRASHED = ("failed", "timeout")  # the statuses of a case that crashed; "unsupported" is not one
-NOT_INSTALLED = "not installed"
-HOW_TO_INSTALL = {
-    "torch": "pip install torch==2.13.0 'polyamp[torch]' (or make venv in a checkout)",
-    "tensorflow": "pip install 'polyamp[tensorflow]' (or make venv in a checkout)",
-    "jax": "pip install 'polyamp[jax]' (or make venv in a checkout)",
-    "mxnet": "MXNet 1.9 needs numpy<1.24, so its own environment: make venv-mxnet in a checkout (or "
-    "python3.11 -m venv .venv-mxnet && .venv-mxnet/bin/pip install 'polyamp[mxnet]' 'numpy<1.24'), "
-    "then pass --mxnet-python PATH or set POLYAMP_MXNET_PYTHON",
-}
-
-
-def mxnet_python() -> Path | None:
-    """The Python that runs MXNet's cases: ``POLYAMP_MXNET_PYTHON`` (``--mxnet-python`` sets it),
-    else the project's ``.venv-mxnet`` (next to its pyproject.toml), else ``./.venv-mxnet``."""
-    given = os.environ.get("POLYAMP_MXNET_PYTHON")
-    if given:
-        if not Path(given).exists():
-            raise PolyampError(f"the MXNet interpreter {given!r} (--mxnet-python / POLYAMP_MXNET_PYTHON) "
-                               "does not exist")  # fmt: skip
-        return Path(given)
-    for path in (PROJECT_MXNET_PYTHON, Path(".venv-mxnet/bin/python")):
-        if path.exists():
-            return path
-    return None
-
-
-def interpreter(framework: str) -> str | None:
-    """The Python that runs a framework's cases, or None where the framework is not installed.
-
-    MXNet needs numpy < 1.24 and lives in its own environment (``mxnet_python``)."""
-    if not _has_module(f"polyamp.compare.{framework}"):
-        return None
-    if framework == "mxnet":
-        path = mxnet_python()
-        return str(path) if path is not None else None
-    return sys.executable if _has_module(framework) else None
-
-
-def _has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def installed_frameworks() -> list[str]:
-    return [f for f in FRAMEWORKS if interpreter(f)]
-
-
-def _check_framework(name) -> None:
-    if name not in FRAMEWORKS:
-        raise PolyampError(f"unknown framework {name!r}; accepted: {', '.join(FRAMEWORKS)}")
-    if interpreter(name) is None:
-        raise PolyampError(f"{name} is not installed here ({HOW_TO_INSTALL[name]}); installed: "
-                           f"{', '.join(installed_frameworks()) or 'none'}")  # fmt: skip
 
 
 def plan(frameworks=None, workloads=None, policies=None) -> list[tuple[str, str, str]]:
@@ -104,7 +45,7 @@ def plan(frameworks=None, workloads=None, policies=None) -> list[tuple[str, str,
     frameworks = list(frameworks or FRAMEWORKS)
     for name in frameworks:
         if named or name not in FRAMEWORKS:
-            _check_framework(name)
+            interpreters.check_framework(name)
     workloads = list(workloads or WORKLOADS)
     for name in workloads:
         if name not in WORKLOADS:
@@ -182,7 +123,8 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
         framework = cases[job[0]][0]
         with tempfile.TemporaryDirectory() as tmp:
             if framework in _AMP_PER_PROCESS:
-                measured = run_lockstep([cases[i] for i in job], interpreter(framework), _env(), Path(tmp),
+                python = interpreters.interpreter(framework)
+                measured = run_lockstep([cases[i] for i in job], python, interpreters.child_env(), Path(tmp),
                                         quick, steps, budget, timeout, lambda k, r: notify(job[k], r),
                                         roofline, infer_budget)  # fmt: skip
             else:
@@ -201,7 +143,7 @@ def run(cases, quick=False, steps=None, budget=6.0, timeout=300.0, progress: Cal
             job = job[done:]
         return measured
 
-    missing = [i for i, case in enumerate(cases) if interpreter(case[0]) is None]
+    missing = [i for i, case in enumerate(cases) if interpreters.interpreter(case[0]) is None]
     for i in missing:
         notify(i, None)
         notify(i, _error_record(cases[i], NOT_INSTALLED, HOW_TO_INSTALL[cases[i][0]]))
@@ -253,10 +195,6 @@ def _jobs(cases: list, reuse: bool) -> list[list[int]]:
     return [sorted(job, key=key) for job in jobs.values()]
 
 
-def _env() -> dict:
-    return {**os.environ, "PYTHONWARNINGS": "ignore", "TF_CPP_MIN_LOG_LEVEL": "3"}
-
-
 def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable,
                     roofline: Path | None = None,
                     infer_budget: float | None = None) -> tuple[int, dict | None]:  # fmt: skip
@@ -270,7 +208,7 @@ def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable
     groups = pair_groups(cases)
     with tempfile.TemporaryDirectory() as tmp:
         out, log = Path(tmp) / "cases.jsonl", Path(tmp) / "output.txt"
-        cmd = [interpreter(framework), "-m", "polyamp.compare.worker", "--budget", str(budget),
+        cmd = [interpreters.interpreter(framework), "-m", "polyamp.compare.worker", "--budget", str(budget),
                "--out", str(out)]  # fmt: skip
         if infer_budget is not None:
             cmd += ["--infer-budget", str(infer_budget)]
@@ -283,7 +221,7 @@ def _run_in_process(cases: list, quick, steps, budget, timeout, notify: Callable
         if roofline is not None:
             cmd += ["--roofline", str(roofline)]
         with open(log, "w") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=_env())
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=interpreters.child_env())
         done, g = 0, 0
         for k in groups[0]:
             notify(k, None)
@@ -343,17 +281,3 @@ def _error_record(case, status: str, error: str) -> dict:
     framework, workload, policy = case
     return {"framework": framework, "workload": workload, "policy": policy, "status": status,
             "error": error}  # fmt: skip
-
-
-def machine() -> dict:
-    """Facts about where the run happened, for the report."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform()}  # fmt: skip

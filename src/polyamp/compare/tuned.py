@@ -21,25 +21,26 @@ against that baseline.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
-import os
 import statistics
 import subprocess
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import PolyampError
+from ..timing import LOCKSTEP, CaseError, paired_ratio, run_rounds
 from ..tune import allocator
-from . import runner
+from . import interpreters
 from .flops import train_step_flops
-from .lockstep import Served, _roofline
+from .lockstep import Served, roofline_of
+from .plots import PALETTE, new_figure
 from .roofline import share
-from .timing import LOCKSTEP, CaseError, paired_ratio, run_rounds
+from .rows import BASELINE_POLICY
 from .workloads import get_workload
 
 POLICIES = ("float32", "bf16-mixed")
@@ -104,9 +105,9 @@ def ensure_reports(folder: Path, frameworks: list[str], workloads: list[str], bu
             path = report_path(folder, fw, wl)
             if not path.exists():
                 say(f"no {path}: running polyamp tune --framework {fw} --workloads {wl} --budget {budget:g}")
-                cmd = [runner.interpreter(fw), "-m", "polyamp", "tune", "--framework", fw, "--workloads", wl,
-                       "--budget", str(budget), "--out", str(folder), *(["--quick"] if quick else [])]
-                done = subprocess.run(cmd, env=runner._env(), stdout=subprocess.DEVNULL)
+                cmd = [interpreters.interpreter(fw), "-m", "polyamp", "tune", "--framework", fw, "--workloads",
+                       wl, "--budget", str(budget), "--out", str(folder), *(["--quick"] if quick else [])]
+                done = subprocess.run(cmd, env=interpreters.child_env(), stdout=subprocess.DEVNULL)
                 if done.returncode != 0 or not path.exists():
                     raise PolyampError(f"polyamp tune for {fw} {wl} failed (exit {done.returncode})")
             reports[fw, wl] = json.loads(path.read_text(encoding="utf-8"))
@@ -133,12 +134,12 @@ def run_workload(rows: list[TunedRow], quick: bool, steps: int, budget: float, t
     rooflines, procs = {}, {}
     try:
         for k, row in enumerate(rows):
-            python = runner.interpreter(row.framework)
-            served = Served(python, {**runner._env(), **row.env}, tmp / f"{row.workload}-{k}.log")
+            python = interpreters.interpreter(row.framework)
+            served = Served(python, {**interpreters.child_env(), **row.env}, tmp / f"{row.workload}-{k}.log")
             procs[k] = served
             if row.framework not in rooflines:
                 say(f"{row.framework}: matmul peaks")
-                rooflines[row.framework] = _roofline(served, row.framework, quick, timeout)
+                rooflines[row.framework] = roofline_of(served, row.framework, quick, timeout)
             say(f"build {row.label}")
             try:
                 built = served.call(timeout, op="build_tuned", framework=row.framework, workload=row.workload,
@@ -266,18 +267,18 @@ def run(frameworks: list[str] | None, workloads: list[str] | None, folder: Path,
     """Reports in ``folder`` (made when missing), rows in rounds per workload; writes tuned.json/.md/.png."""
     from ..tune import BUILT_ON
 
-    frameworks = frameworks or [f for f in BUILT_ON if runner.interpreter(f)]
+    frameworks = frameworks or [f for f in BUILT_ON if interpreters.interpreter(f)]
     for fw in frameworks:
         if fw not in BUILT_ON:
             raise PolyampError(f"compare --tuned takes frameworks that polyamp tune is built for "
                                f"({', '.join(BUILT_ON)}); received {fw!r}")  # fmt: skip
-        runner._check_framework(fw)
+        interpreters.check_framework(fw)
     workloads = workloads or ["mlp", "charlm"]
     folder.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     reports = ensure_reports(folder, frameworks, workloads, tune_budget, quick, say)
     results = {"frameworks": frameworks, "tuned_folder": str(folder), "budget_s": budget, "quick": quick,
-               "machine": runner.machine(), "workloads": {}}  # fmt: skip
+               "machine": interpreters.machine(), "workloads": {}}  # fmt: skip
     for wl in workloads:
         rows = rows_for(reports, frameworks, wl)
         with tempfile.TemporaryDirectory() as tmp:
@@ -288,32 +289,45 @@ def run(frameworks: list[str] | None, workloads: list[str] | None, folder: Path,
     out.mkdir(parents=True, exist_ok=True)
     (out / "tuned.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
     (out / "tuned.md").write_text(markdown(results), encoding="utf-8")
-    from .plots import tuned_figure
-
     tuned_figure(results).savefig(out / "tuned.png")
     return results
 
 
-class TunedRun:
-    """A ``worker --serve`` process's tuned row: the front end's step for one tune configuration,
-    on the workload's tune inputs; ``step`` returns its seconds, ``result`` the losses so far."""
+def tuned_figure(results: dict):
+    """``compare --tuned``: per workload, each row's median step (horizontal bars; float32 black), its
+    paired speed-up over the fastest float32 row and share of the matmul peak; the dotted line is the
+    step the 1.6x target asks of bf16."""
+    workloads = results["workloads"]
+    bars = sum(len(w["rows"]) for w in workloads.values())
+    fig = new_figure(10.0, 1.2 + 0.45 * bars + 0.6 * len(workloads))
+    axes = fig.subplots(len(workloads), 1, squeeze=False)[:, 0]
+    for ax, res in zip(axes, workloads.values()):
+        rows = res["rows"]
+        labels = [TunedRow(**{k: r[k] for k in ("framework", "workload", "policy", "settings", "env")}).label
+                  for r in rows]  # fmt: skip
+        ms = [r["median_s"] * 1e3 if r["median_s"] else 0.0 for r in rows]
+        colors = ["black" if r["policy"] == BASELINE_POLICY else PALETTE[0] for r in rows]
+        ax.barh(range(len(rows)), ms, color=colors)
+        for y, (r, v) in enumerate(zip(rows, ms)):
+            if r["status"] != "ok" or not r["median_s"]:
+                text = f" {r['status']}"
+            else:
+                pct = f", {r['roofline_share']:.0%} of peak" if r["roofline_share"] is not None else ""
+                text = f" {v:.3g} ms, {_x_best(r['speedup'])}{pct}"
+            ax.text(v, y, text, va="center", fontsize=8)
+        fp32 = [v for r, v in zip(rows, ms) if r["policy"] == BASELINE_POLICY and v > 0]
+        if fp32:
+            ax.axvline(min(fp32) / TARGET, color="grey", linestyle=":", label=f"best float32 / {TARGET}")
+            ax.legend(loc="best")
+        ax.set_yticks(range(len(rows)), labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, max(ms + [1.0]) * 1.8)
+        ax.set_xlabel("median step, ms (lower is faster)")
+        ax.set_title(textwrap.fill(res["verdict"]["text"], 100), fontsize=8)
+    fig.suptitle("Tuned configurations of every framework, stepped side by side (paired rounds)")
+    fig.tight_layout()
+    return fig
 
-    def __init__(self, framework: str, workload: str, policy: str, settings: dict, quick: bool,
-                 env: tuple[str, ...] = ()):
-        from ..tune import Candidate
 
-        front = importlib.import_module(f"polyamp.{framework}.tune")
-        inputs = importlib.import_module(f"polyamp.compare.{framework}").tune_inputs(workload, quick)
-        self.built = front.Tunable(*inputs, name=workload).build(Candidate.of(policy, settings))
-        self.losses: list[float] = []
-        self.env = {name: os.environ.get(name) for name in env}  # as this process saw them
-
-    def step(self, i: int) -> float:
-        t0 = time.perf_counter()
-        loss = float(self.built.step(i))
-        seconds = time.perf_counter() - t0
-        self.losses.append(loss)
-        return seconds
-
-    def result(self, evaluate: bool) -> dict:
-        return {"losses": self.losses}
+def _x_best(value) -> str:
+    return "—" if value is None else f"{value:.2f}x best fp32"

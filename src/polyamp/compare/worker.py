@@ -5,7 +5,7 @@
 
 Consecutive cases of one (framework, workload) are a pair group: every policy's trainer is built
 here from the workload's shared weights, takes one warm-up step, then the policies step in
-interleaved rounds (``timing.py``), and each record carries its speed-up over float32 as the
+interleaved rounds (``pairing.py``, ``timing.py``), and each record carries its speed-up over float32 as the
 median of per-round ratios, with a 95 % interval and its number of rounds (``paired``). A step is
 timed from batch to the loss value on the host and, for MXNet, to the end of its queued work
 (``queued_work_waiter``), so each step's time holds its whole work.
@@ -33,7 +33,7 @@ one that raises leaves the training fields as they are.
 
 ``--serve`` (MXNet, whose AMP is process-wide, so each policy has its own process; and every row of
 ``compare --tuned``): answers one JSON command a line on stdin (``roofline``, ``build``, ``build_tuned``
-(``tuned.TunedRun``), ``step``, ``result``, ``memory``,
+(``tuned_run.TunedRun``), ``step``, ``result``, ``memory``,
 ``inference_info``, ``infer``, ``infer_eval``, ``exit``) with one JSON line on stdout: what the
 :class:`PolicyRun` method of that name returns; the runner pairs the processes' steps and inference
 calls in rounds (``lockstep.py``).
@@ -47,46 +47,18 @@ import json
 import math
 import os
 import resource
-import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from numbers import Real
 
 import numpy as np
 
-from ..errors import PolyampError
-from .timing import IN_PROCESS, CaseError, PolicyTimes, paired_ratios, run_rounds
+from .pairing import NOT_MEASURED, error_fields, infer_budget_for, pair_group, pair_groups
 from .workloads import get_workload
-
-BASELINE = "float32"
-INFER_MAX_CALLS = 50  # inference calls per policy, its warm-up included; the budget usually stops it first
-MIN_INFER_BUDGET = 0.5
-# a record whose training did not succeed: nothing trained to measure
-NOT_MEASURED = {"memory": None, "memory_error": None, "inference": None}
-
-
-def infer_budget_for(budget: float, infer_budget: float | None = None) -> float:
-    """The seconds of inference calls per policy: ``infer_budget``, else a quarter of the training
-    ``budget`` and at least 0.5 s."""
-    if infer_budget is None:
-        return max(MIN_INFER_BUDGET, budget / 4)
-    bad = isinstance(infer_budget, bool) or not isinstance(infer_budget, Real)
-    if bad or not 0 < infer_budget < math.inf:
-        raise PolyampError(f"infer_budget must be a finite number of seconds > 0, or None for a quarter "
-                           f"of the training budget; got {infer_budget!r}")  # fmt: skip
-    return float(infer_budget)
 
 
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def error_fields(err: BaseException) -> dict:
-    """A record's status, error and traceback for an exception being handled."""
-    return {"status": "unsupported" if getattr(err, "unsupported", False) else "failed",
-            "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc(limit=8)}  # fmt: skip
 
 
 class PolicyRun:
@@ -176,91 +148,6 @@ def queued_work_waiter(framework: str) -> Callable[[], object] | None:
     return None
 
 
-def timed_fields(times: PolicyTimes) -> dict:
-    """A record's timing fields: ``step_times`` are the rounds (the warm-up when it was all)."""
-    step_times = times.times or ([times.warmup_s] if times.warmup_s is not None else [])
-    return {"status": times.status, "error": times.error, "capped": times.cap_reason is not None,
-            "cap_reason": times.cap_reason, "warmup_steps": 1 if times.times else 0, "step_times": step_times,
-            "median_step_s": statistics.median(step_times) if step_times else None}  # fmt: skip
-
-
-def pair_group(runs: dict, steps: int, budget: float, quick: bool = False, pairing: str = IN_PROCESS,
-               infer_budget: float | None = None) -> dict:  # fmt: skip
-    """Step ``runs`` (policy -> :class:`PolicyRun`, or one seen from another process) in rounds, then
-    probe the memory of and pair the inference calls of those whose training is ok; returns each
-    policy's record fields, ``paired`` holding its ratio over float32 (or None)."""
-    times = run_rounds({p: run.step for p, run in runs.items()}, steps, budget, count_warmup=not quick)
-    ratios = paired_ratios(times, BASELINE, pairing)
-    out = {}
-    for policy, run in runs.items():
-        fields = timed_fields(times[policy])
-        if times[policy].status == "ok":
-            try:
-                fields.update(run.result(evaluate=not fields["capped"]))
-            except CaseError as err:  # in the policy's own process
-                fields.update(status=err.status, error=err.error, traceback=err.remote_traceback)
-            except Exception as err:
-                fields.update(error_fields(err))
-        else:
-            fields["traceback"] = times[policy].traceback
-        ratio = ratios.get(policy)
-        fields["paired"] = ratio.to_json() if ratio and fields["status"] == "ok" else None
-        out[policy] = {**fields, **NOT_MEASURED}
-    trained = {p: run for p, run in runs.items() if out[p]["status"] == "ok"}
-    for policy, run in trained.items():
-        try:
-            out[policy].update(run.memory())
-        except CaseError as err:  # the policy's process died or timed out
-            out[policy]["memory_error"] = err.error
-    calls = min(steps, INFER_MAX_CALLS)
-    evaluate = {p: not out[p]["capped"] for p in trained}
-    for policy, inference in infer_group(trained, calls, infer_budget_for(budget, infer_budget), pairing,
-                                         evaluate).items():  # fmt: skip
-        out[policy]["inference"] = inference
-    return out
-
-
-def _call(method: Callable[[], dict]) -> tuple[dict | None, str | None, str | None]:
-    """``method()``, or (None, status, error) when it raised, here or in the policy's process."""
-    try:
-        return method(), None, None
-    except CaseError as err:
-        return None, err.status, err.error
-    except Exception as err:
-        fields = error_fields(err)
-        return None, fields["status"], fields["error"]
-
-
-def infer_group(runs: dict, calls: int, budget: float, pairing: str, evaluate: dict[str, bool]) -> dict:
-    """Each policy's ``inference`` field: its ``infer`` calls paired in rounds with the others' (see the
-    module docstring), its speed-up over float32's, its metric through ``infer`` when ``evaluate``."""
-    info = {p: _call(run.inference_info) for p, run in runs.items()}
-    ready = {p: run for p, run in runs.items() if info[p][0] is not None}
-    times = run_rounds({p: run.infer for p, run in ready.items()}, calls, budget, count_warmup=False)
-    ratios = paired_ratios(times, BASELINE, pairing)
-    out = {}
-    for policy in runs:
-        got, status, error = info[policy]
-        fields = {"status": status, "error": error, "how": None, "batch": None, "step_times": [],
-                  "median_ms": None, "capped": False, "cap_reason": None, "paired": None, "eval": None,
-                  "weights_bytes": None}  # fmt: skip
-        if got is not None:
-            t = times[policy]
-            step_times = t.times or ([t.warmup_s] if t.warmup_s is not None else [])
-            fields.update(got, status=t.status, error=t.error, step_times=step_times,
-                          median_ms=1000 * statistics.median(step_times) if step_times else None,
-                          capped=t.cap_reason is not None, cap_reason=t.cap_reason)  # fmt: skip
-            if t.status == "ok":
-                ratio = ratios.get(policy)
-                fields["paired"] = ratio.to_json() if ratio else None
-                if evaluate[policy]:
-                    fields["eval"], status, error = _call(runs[policy].infer_eval)
-                    if status is not None:
-                        fields.update(status=status, error=error)
-        out[policy] = fields
-    return out
-
-
 def run_group(framework: str, workload: str, policies: list[str], quick: bool, steps: int | None,
               budget: float, seed: int = 0, infer_budget: float | None = None) -> list[dict]:  # fmt: skip
     """The records of one pair group, in the order of ``policies``."""
@@ -286,17 +173,6 @@ def run_group(framework: str, workload: str, policies: list[str], quick: bool, s
     return [{**c, **shared, **fields[c["policy"]], "wall_s": wall} for c in common]
 
 
-def pair_groups(cases: list) -> list[list[int]]:
-    """Indices of consecutive cases with the same (framework, workload): the pair groups."""
-    groups: list[list[int]] = []
-    for i, case in enumerate(cases):
-        if groups and tuple(cases[groups[-1][0]][:2]) == tuple(case[:2]):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 def serve(commands, reply) -> None:
     """Answer ``commands`` (JSON lines) on ``reply`` until ``exit`` or their end (see the docstring)."""
     from .roofline import measure
@@ -317,7 +193,7 @@ def serve(commands, reply) -> None:
                                 sync=queued_work_waiter(cmd["framework"]))  # fmt: skip
                 out = {"versions": module.versions(), "steps_requested": wl.steps}
             elif op == "build_tuned":
-                from .tuned import TunedRun
+                from .tuned_run import TunedRun
 
                 run = TunedRun(cmd["framework"], cmd["workload"], cmd["policy"], cmd["settings"],
                                cmd["quick"], cmd.get("env", ()))  # fmt: skip

@@ -3,7 +3,13 @@ per layer what each format does (gradients of a loss-scaled format at the recomm
 
 from __future__ import annotations
 
-from .report import SCALED_FORMATS, Report, _pct, _pow2
+from typing import TYPE_CHECKING
+
+from .predict import SCALED_FORMATS
+from .text import pct, pow2
+
+if TYPE_CHECKING:
+    from .report import Report
 
 
 def markdown(report: Report, image: str | None) -> str:
@@ -19,7 +25,7 @@ def markdown(report: Report, image: str | None) -> str:
     if r.findings:
         out += ["## Findings", "", "| layer | tensor | format | problem | share | why |",
                 "|---|---|---|---|---:|---|"]  # fmt: skip
-        out += [f"| {f.layer} | {f.kind} | {f.format} | {f.problem} | {_pct(f.fraction)} | {f.line} |"
+        out += [f"| {f.layer} | {f.kind} | {f.format} | {f.problem} | {pct(f.fraction)} | {f.line} |"
                 for f in r.findings]  # fmt: skip
         out.append("")
     if image:
@@ -36,8 +42,8 @@ def markdown(report: Report, image: str | None) -> str:
             out += [f"## All gradients in {fmt} against the loss scale", "",
                     "| loss scale | overflow | flush to 0 | subnormal |", "|---|---:|---:|---:|"]  # fmt: skip
             mark = " (recommended)" if fmt == "fp16" else " (fp16's recommended)"
-            out += [f"| {_pow2(s['scale'])}{mark * (s['scale'] == scale)} "
-                    f"| {_pct(s['overflow'])} | {_pct(s['flush'])} | {_pct(s['subnormal'])} |"
+            out += [f"| {pow2(s['scale'])}{mark * (s['scale'] == scale)} "
+                    f"| {pct(s['overflow'])} | {pct(s['flush'])} | {pct(s['subnormal'])} |"
                     for s in sweep]  # fmt: skip
             out.append("")
     for fmt in report.formats:
@@ -57,13 +63,13 @@ def _measured_table(report: Report, label: str) -> list[str]:
             continue
         mse = "-" if m["rel_mse"] is None else f"{m['rel_mse']:.2g}"
         db = "-" if m["sqnr_db"] is None else f"{m['sqnr_db']:.1f}"
-        out.append(f"| {row.layer} | {row.kind} | {row.amax:.3g} | {_pct(m['underflow'])} "
-                   f"| {_pct(m['clipped'])} | {_pct(m['spoiled'])} | {mse} | {db} |")  # fmt: skip
+        out.append(f"| {row.layer} | {row.kind} | {row.amax:.3g} | {pct(m['underflow'])} "
+                   f"| {pct(m['clipped'])} | {pct(m['spoiled'])} | {mse} | {db} |")  # fmt: skip
     return [*out, ""]
 
 
 def _format_table(report: Report, fmt: str, scale: float | None) -> list[str]:
-    at = f" (gradients at loss scale {_pow2(scale)})" if scale and fmt in ("fp16", "e5m2") else ""
+    at = f" (gradients at loss scale {pow2(scale)})" if scale and fmt in ("fp16", "e5m2") else ""
     out = [f"## {fmt}{at}", "", "| layer | tensor | max abs | overflow | flush to 0 | subnormal "
            "| rel. RMS error | lost updates |", "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for row in report.rows:
@@ -71,10 +77,10 @@ def _format_table(report: Report, fmt: str, scale: float | None) -> list[str]:
         if p is None:
             continue
         if row.kind == "update_ratio":
-            out.append(f"| {row.layer} | update | | | | | | {_pct(p['lost'])} |")
+            out.append(f"| {row.layer} | update | | | | | | {pct(p['lost'])} |")
             continue
         q = p.get("at_recommended_scale") or p
         err = q["rel_rms_error"]
-        out.append(f"| {row.layer} | {row.kind} | {row.amax:.3g} | {_pct(q['overflow'])} "
-                   f"| {_pct(q['flush'])} | {_pct(q['subnormal'])} | {err:.2g} | |")  # fmt: skip
+        out.append(f"| {row.layer} | {row.kind} | {row.amax:.3g} | {pct(q['overflow'])} "
+                   f"| {pct(q['flush'])} | {pct(q['subnormal'])} | {err:.2g} | |")  # fmt: skip
     return [*out, ""]

@@ -42,6 +42,8 @@ from ..errors import PolyampError
 from ..numerics import FloatFormat, get_format, quantize
 from .histogram import ABOVE, B_MIN, BELOW, HI, LO, SUB, LogHistogram
 
+SCALED_FORMATS = ("fp16", "e5m2")  # formats whose gradients are run under a loss scale
+
 
 @dataclass(frozen=True)
 class Prediction:

@@ -37,6 +37,7 @@ from ..numerics import FloatFormat, get_format
 from .chain import gradient_predictions
 from .histogram import LogHistogram
 from .predict import lost_updates, predict
+from .text import pow2
 
 KINDS = ("output", "grad_output", "weight", "grad_weight", "update_ratio")
 GRAD_KINDS = ("grad_output", "grad_weight")
@@ -167,7 +168,7 @@ def recommend(observations: Iterable[Observation], *, slow_fp16: str | None = No
     n = len(layers)
     if fp16.feasible and bf16.feasible and slow_fp16:
         kept = f"{len(bf16.keep_fp32)} of {n} layers" if bf16.keep_fp32 else "no layer"
-        reason = (f"fp16-mixed fits (loss scale {_pow2(fp16.loss_scale)}) but is no choice here: "
+        reason = (f"fp16-mixed fits (loss scale {pow2(fp16.loss_scale)}) but is no choice here: "
                   f"{slow_fp16}; bf16 fits too, with float32's range and no loss scale, {kept} kept in "
                   "fp32")  # fmt: skip
         return _chosen(bf16, reason, checks, slow_fp16)
@@ -178,7 +179,7 @@ def recommend(observations: Iterable[Observation], *, slow_fp16: str | None = No
         chosen, reason = (
             fp16,
             (
-                f"fits fp16 at loss scale {_pow2(fp16.loss_scale)} ({_pct(fp16.gradient_underflow)} "
+                f"fits fp16 at loss scale {pow2(fp16.loss_scale)} ({_pct(fp16.gradient_underflow)} "
                 f"of gradient elements flush to zero), {kept}"
                 + (f"; bf16 does not fit, though fp16 is slow here: {slow_fp16}" if slow_fp16 else "")
             ),
@@ -281,7 +282,7 @@ def _check(table, policy: str, fmt: FloatFormat, scaled: bool) -> PolicyCheck:
         flush = _flushed([preds[layer, k] for k in GRAD_KINDS if (layer, k) in preds])
         if flush is not None and flush > GRAD_UNDERFLOW_MAX:
             flag(layer, "gradient", "underflow", flush,
-                 f"gradients flush to zero in {fmt.name} at scale {_pow2(scale)}: {_pct(flush)}")  # fmt: skip
+                 f"gradients flush to zero in {fmt.name} at scale {pow2(scale)}: {_pct(flush)}")  # fmt: skip
     scaled_grads = [(layer, "grad_output") for layer in layers] + [(la, "grad_weight") for la in layers
                                                                      if la not in keep]  # fmt: skip
     underflow = _flushed([preds[key] for key in scaled_grads if key in preds])
@@ -356,10 +357,3 @@ def _why(check: PolicyCheck, n: int) -> str:
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.3g}%"
-
-
-def _pow2(scale: float | None) -> str:
-    if scale is None:
-        return "none"
-    m, e = math.frexp(scale)
-    return f"2^{e - 1}" if m == 0.5 else f"{scale:g}"

@@ -25,14 +25,12 @@ import numpy as np
 from ..numerics import get_format
 from ..scaling import DynamicLossScale
 from .chain import backward_noise, gradient_predictions
-from .predict import lost_updates, predict
+from .predict import SCALED_FORMATS, lost_updates, predict
 from .recommend import GRAD_KINDS, KINDS, Finding, Observation, Recommendation, layer_table
+from .text import pct, pow2, pow2_expr
 
 # gradients of loss-scaled formats are also predicted at these scales (torch starts at 2^16, cap 2^24)
 SWEEP = tuple(2.0**k for k in range(0, 25, 4))
-SCALED_FORMATS = ("fp16", "e5m2")  # formats whose gradients are run under a loss scale
-
-
 @dataclass(frozen=True)
 class Row:
     """Predictions for one tapped tensor (layer, kind) in each format."""
@@ -147,7 +145,7 @@ class Report:
         if self.nonfinite is not None:
             return "\n".join(lines)
         if r.policy == "fp16-mixed":
-            lines.append(f"initial loss scale: {_pow2(r.loss_scale)} — {r.loss_scale_reason}")
+            lines.append(f"initial loss scale: {pow2(r.loss_scale)} — {r.loss_scale_reason}")
         for layer, why in r.keep_fp32_reasons.items():
             lines.append(f"keep in fp32: {layer} — {why}")
         for check in r.checks.values():
@@ -168,7 +166,7 @@ class Report:
         """The Python line that applies the recommendation."""
         args = [repr(self.policy)]
         if self.initial_scale is not None:
-            args.append(f"loss_scale=polyamp.DynamicLossScale(init_scale={_pow2_expr(self.initial_scale)})")
+            args.append(f"loss_scale=polyamp.DynamicLossScale(init_scale={pow2_expr(self.initial_scale)})")
         if self.keep_fp32:
             args.append(f"keep_fp32={self.keep_fp32!r}")
         return f"mp = polyamp.MixedPrecision({', '.join(args)})"
@@ -185,13 +183,13 @@ class Report:
             for f in self.formats:
                 p = row.formats.get(f, {})
                 if row.kind == "update_ratio":
-                    cells.append(f"lost {_pct(p.get('lost'))}")
+                    cells.append(f"lost {pct(p.get('lost'))}")
                 else:
                     at = p.get("at_recommended_scale") or p
-                    cells.append(f"{_pct(at.get('overflow'))} / {_pct(at.get('flush'))}")
+                    cells.append(f"{pct(at.get('overflow'))} / {pct(at.get('flush'))}")
             for m in self.measured:
                 p = row.measured.get(m)
-                cells.append(f"{_pct(p['underflow'])} / {_pct(p['clipped'])}" if p else "-")
+                cells.append(f"{pct(p['underflow'])} / {pct(p['clipped'])}" if p else "-")
             body.append(cells)
         widths = [max(len(str(c)) for c in col) for col in zip(head, *body)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -279,9 +277,9 @@ def _row(ob: Observation, formats: tuple[str, ...], scale: float | None, noise) 
             p["backward_noise"] = noise(ob, name, 1.0)  # R at scale 1 (chain.py)
         if ob.kind in GRAD_KINDS and name in SCALED_FORMATS:
             scales = sorted({*SWEEP, *([scale] if scale else [])})
-            p["at_scale"] = {_pow2(s): predict(h, name, s, noise(ob, name, s)).to_json() for s in scales}
+            p["at_scale"] = {pow2(s): predict(h, name, s, noise(ob, name, s)).to_json() for s in scales}
             if scale:
-                p["at_recommended_scale"] = p["at_scale"][_pow2(scale)]
+                p["at_recommended_scale"] = p["at_scale"][pow2(scale)]
         preds[name] = p
     measured = {label: m.to_json() for label, m in ob.measured.items()}
     return Row(ob.layer, ob.kind, h.total, h.amax, h.amin_nonzero, h.zeros, h.nonfinite, preds, measured)
@@ -300,24 +298,6 @@ def _jsonable(x):
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     return x
-
-
-def _pct(x: float | None) -> str:
-    if x is None:
-        return "-"
-    return "0" if x == 0 else f"{100 * x:.3g}%" if x >= 1e-4 else "<0.01%"
-
-
-def _pow2(scale: float | None) -> str:
-    if scale is None:
-        return "none"
-    m, e = math.frexp(scale)
-    return f"2^{e - 1}" if m == 0.5 else f"{scale:g}"
-
-
-def _pow2_expr(scale: float) -> str:
-    m, e = math.frexp(scale)
-    return f"2.0**{e - 1}" if m == 0.5 else repr(scale)
 
 
 __all__ = ["KINDS", "Report", "Row", "build"]

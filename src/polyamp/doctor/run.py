@@ -12,11 +12,10 @@ at all there (``recommend.fp16_slow``).
 
 from __future__ import annotations
 
-import importlib
 import time
 
 from ..errors import PolyampError
-from ..frameworks import canonical_framework, detect
+from ..frameworks import canonical_framework, detect, front_end_module
 from ..numerics import get_format
 from .blocks import Target, parse
 from .report import Report, build
@@ -36,7 +35,7 @@ def diagnose(model, batch, loss_fn=None, *, framework: str | None = None, steps:
         raise PolyampError(f"device must name where the training runs, e.g. 'cpu' or 'cuda'; got {device!r}")
     name = canonical_framework(framework) if framework is not None else framework_of(model)
     device = device if device is not None else device_of(model)
-    collect = importlib.import_module(f"polyamp.{name}.doctor").collect
+    collect = front_end_module(name, "doctor").collect
     start = time.perf_counter()
     extra = {"measure": targets} if targets else {}  # scalar formats only: the taps as they were
     observations = collect(model, batch, loss_fn, steps=steps, optimizer=optimizer, **extra)

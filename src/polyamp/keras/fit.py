@@ -24,6 +24,7 @@ from keras import ops
 from keras.callbacks import Callback
 
 from ..errors import PolyampError
+from ..mixed_precision import MixedPrecision
 from ..scaling import BELOW_ONE_WARNING, COUNTERS, NoLossScale, loss_scale_from_dict, state_from_arrays
 
 FIELDS = ("scale", *COUNTERS)
@@ -160,10 +161,8 @@ class KerasOptimizer(keras.optimizers.LossScaleOptimizer):
         if not isinstance(saved, dict) or not {"policy", "loss_scale"} <= saved.keys():
             raise PolyampError("a polyamp KerasOptimizer config needs 'mixed_precision' (policy, "
                                f"loss_scale); received keys {sorted(config)}")  # fmt: skip
-        from . import MixedPrecision
-
         mp = MixedPrecision(saved["policy"], loss_scale=loss_scale_from_dict(saved["loss_scale"]),
-                            guard=saved.get("guard", True))  # fmt: skip
+                            framework="keras", guard=saved.get("guard", True))  # fmt: skip
         inner = keras.saving.deserialize_keras_object(config["inner_optimizer"], custom_objects)
         return mp.optimizer(inner, name=config.get("name"))
 

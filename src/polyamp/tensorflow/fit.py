@@ -7,6 +7,7 @@ import keras
 from keras.callbacks import Callback
 
 from ..errors import PolyampError
+from ..mixed_precision import MixedPrecision
 from ..scaling import loss_scale_from_dict
 from .step import LossScaleVariables, check_pairs, run_step
 
@@ -68,8 +69,6 @@ class PolyampOptimizer(keras.optimizers.LossScaleOptimizer):
                 "a PolyampOptimizer config needs 'mixed_precision' (MixedPrecision.state_dict(): "
                 f"policy, loss_scale, state); received keys {sorted(config)}"
             )
-        from . import MixedPrecision
-
         mp = MixedPrecision(saved["policy"], loss_scale=loss_scale_from_dict(saved["loss_scale"]),
                             framework="tensorflow", guard=config.get("guard", True))  # fmt: skip
         mp.load_state_dict(saved)

@@ -11,12 +11,12 @@ process-wide, so each policy builds the model in a process of its own (``polyamp
 Nothing here imports a framework.
 """
 
-import importlib
 import sys
 import types
 
 from ..errors import PolyampError
 from ..frameworks import detect as _detect
+from ..frameworks import front_end_module
 from . import search
 from .report import Final, Trial, TuneReport
 from .space import TUNE_POLICIES, Candidate, Knob
@@ -44,7 +44,7 @@ def run(model, *args, framework: str | None = None, **kwargs) -> TuneReport:
     if framework not in BUILT_ON:
         raise PolyampError(f"polyamp.tune is built for {', '.join(BUILT_ON)} so far; received a {framework} "
                            "model")  # fmt: skip
-    return importlib.import_module(f"polyamp.{framework}.tune").tune(model, *args, **kwargs)
+    return front_end_module(framework, "tune").tune(model, *args, **kwargs)
 
 
 class _CallableModule(types.ModuleType):

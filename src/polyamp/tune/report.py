@@ -5,7 +5,6 @@ table. A figure from one paired round has no interval (``None``; the text says `
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import re
@@ -15,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..compare.timing import bootstrap_ci
 from ..errors import PolyampError
+from ..frameworks import front_end_module
+from ..timing import bootstrap_ci
 from .space import Candidate, Knob, _text
 
 STATUSES = ("ok", "chosen", "no gain", "slower", "parity", "failed", "not tried", "reverted")
@@ -158,7 +158,7 @@ class TuneReport:
         loss, step)``; tensorflow: ``report.apply(make_model, optimizer)`` -> ``(mp, model, optimizer,
         jit_compile)``; mxnet: ``report.apply("file.py:make")`` -> ``(mp, net, step)``;
         ``polyamp.<framework>.tune.apply``)."""
-        return importlib.import_module(f"polyamp.{self.framework}.tune").apply(self, *args, **kwargs)
+        return front_end_module(self.framework, "tune").apply(self, *args, **kwargs)
 
     def reasons(self) -> list[str]:
         """One sentence per chosen setting in effect, with its measured gain; one per reverted policy."""

@@ -11,7 +11,7 @@ paired rounds against the configuration it would replace.
    if a step raises or a loss is not finite, breaks parity if its last loss differs from ``L32`` by
    more than ``rtol * |L32|``, and is *slower* without further timing when its second step takes
    over ``SLOW`` times the current one's. Otherwise both step on in rounds that alternate their order
-   (``compare.timing.run_rounds``), and the alternative replaces the current configuration when the
+   (``timing.run_rounds``), and the alternative replaces the current configuration when the
    median of the per-round ratios (over at least ``MIN_CHOICE_ROUNDS`` rounds) is at least
    ``1 + min_gain`` and its 95 % bootstrap interval lies above 1 (one round has no interval: None).
    Every alternative is reported, whatever happened to it. Knobs interact (on a CPU,
@@ -49,8 +49,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..compare.timing import PolicyTimes, paired_ratio, run_rounds
 from ..errors import PolyampError
+from ..timing import PolicyTimes, paired_ratio, run_rounds
 from .report import Final, Trial, TuneReport, seconds
 from .space import Candidate, Knob, Step, Tunable, check_policies, defaults
 

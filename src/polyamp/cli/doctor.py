@@ -16,11 +16,11 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+from ..doctor.run import DEFAULT_FORMATS, check_formats, diagnose
 from ..errors import PolyampError
 from ..frameworks import canonical_framework
-from .run import DEFAULT_FORMATS, check_formats, diagnose
+from .target import load_target
 
 
 def add_parser(sub) -> None:
@@ -62,7 +62,7 @@ def doctor(args, argv: list[str]) -> int:
         return _in_mxnet_python(args, argv)
     with _status(f"polyamp doctor: building {args.target or (args.workload or 'charlm')}", args.json):
         if args.target:
-            model, batch, loss_fn, optimizer, framework = _from_file(args.target, framework)
+            model, batch, loss_fn, optimizer, framework = load_target(args.target, framework)
         else:
             name = args.workload or "charlm"
             model, batch, loss_fn, optimizer, framework = _workload(name, framework or "torch", args.quick)
@@ -97,44 +97,8 @@ def _workload(name: str, framework: str, quick: bool):
     return (*trainer.doctor_inputs(), framework)
 
 
-def _from_file(target: str, framework: str | None):
-    path, _, name = target.rpartition(":")
-    if not path or not name.isidentifier():
-        raise PolyampError(f"expected FILE.py:function, e.g. model.py:make; got {target!r}")
-    file = Path(path)
-    if not file.is_file():
-        raise PolyampError(f"no such file: {path!r}")
-    spec = importlib.util.spec_from_file_location(f"_polyamp_doctor_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(file.resolve().parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
-    make = getattr(module, name, None)
-    if not callable(make):
-        raise PolyampError(f"{path} has no function {name!r}")
-    made = make()
-    if isinstance(made, dict):
-        unknown = set(made) - {"model", "batch", "loss_fn", "optimizer", "framework"}
-        if unknown or "model" not in made or "batch" not in made:
-            raise PolyampError(f"{name}() returned a dict with keys {sorted(made)}; expected model, "
-                               "batch and optionally loss_fn, optimizer, framework")  # fmt: skip
-        framework = framework or (canonical_framework(made["framework"]) if made.get("framework") else None)
-        made = (made["model"], made["batch"], made.get("loss_fn"), made.get("optimizer"))
-    if not isinstance(made, tuple) or len(made) not in (2, 3, 4):
-        raise PolyampError(f"{name}() must return (model, batch, loss_fn[, optimizer]) or a dict of "
-                           f"them, got {type(made).__name__}")  # fmt: skip
-    model, batch, loss_fn, optimizer = (*made, None, None)[:4]
-    if framework is None:
-        from .run import framework_of
-
-        framework = framework_of(model)
-    return model, batch, loss_fn, optimizer, framework
-
-
 def _in_mxnet_python(args, argv: list[str]) -> int:
-    from ..compare.runner import HOW_TO_INSTALL, mxnet_python
+    from ..compare.interpreters import HOW_TO_INSTALL, mxnet_python
 
     if args.mxnet_python:
         os.environ["POLYAMP_MXNET_PYTHON"] = args.mxnet_python

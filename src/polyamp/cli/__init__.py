@@ -10,10 +10,10 @@ import sys
 from decimal import Decimal
 from fractions import Fraction
 
-from . import __version__
-from .errors import PolyampError
-from .numerics import FORMATS, ROUNDINGS, encode, get_format, neighbours, quantize
-from .numerics.rounding import exact_float64
+from .. import __version__
+from ..errors import PolyampError
+from ..numerics import FORMATS, ROUNDINGS, encode, get_format, neighbours, quantize
+from ..numerics.rounding import exact_float64
 
 _CAST_OPTIONS_WITH_VALUE = ("--to", "--rounding", "--seed")
 
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tune-budget", type=_seconds, default=120.0, help="with --tuned: polyamp tune's budget "
                    "per missing report (default 120)")  # fmt: skip
 
-    from .doctor.cli import add_parser
-    from .tune.cli import add_parser as add_tune_parser
+    from .doctor import add_parser
+    from .tune import add_parser as add_tune_parser
 
     add_parser(sub)
     add_tune_parser(sub)
@@ -86,15 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "formats":
             return _formats(args)
         if args.command == "compare":
-            from .compare.cli import compare
+            from ..compare.cli import compare
 
             return compare(args)
         if args.command == "doctor":
-            from .doctor.cli import doctor
+            from .doctor import doctor
 
             return doctor(args, argv)
         if args.command == "tune":
-            from .tune.cli import tune
+            from .tune import tune
 
             return tune(args)
         return _cast(args)

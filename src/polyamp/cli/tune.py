@@ -11,10 +11,11 @@ import sys
 from pathlib import Path
 
 from ..errors import PolyampError
-from ..frameworks import canonical_framework
-from . import BUILT_ON
-from .search import tune as search
-from .space import check_policies
+from ..frameworks import canonical_framework, front_end_module
+from ..tune import BUILT_ON
+from ..tune.search import tune as search
+from ..tune.space import check_policies
+from .target import load_target
 
 
 def add_parser(sub) -> None:
@@ -45,20 +46,18 @@ def tune(args) -> int:
         raise PolyampError(f"polyamp tune is built for {', '.join(BUILT_ON)} so far; received --framework "
                            f"{args.framework}")  # fmt: skip
     if importlib.util.find_spec(framework) is None:
-        from ..compare.runner import HOW_TO_INSTALL
+        from ..compare.interpreters import HOW_TO_INSTALL
 
         how = ("MXNet needs numpy<1.24, so it lives in its own environment (make venv-mxnet): run "
                ".venv-mxnet/bin/python -m polyamp tune --framework mxnet") if framework == "mxnet" \
             else HOW_TO_INSTALL[framework]  # fmt: skip
         raise PolyampError(f"{framework} is not installed in this Python ({sys.executable}): {how}")
     policies = check_policies([p for p in args.policies.split(",") if p])
-    front = importlib.import_module(f"polyamp.{framework}.tune")
+    front = front_end_module(framework, "tune")
     if args.target and framework == "mxnet":  # built in a worker process per policy: passed as the maker
         models = {args.target: lambda: (args.target,)}
     elif args.target:
-        from ..doctor.cli import _from_file
-
-        model, batch, loss_fn, optimizer, found = _from_file(args.target, framework)
+        model, batch, loss_fn, optimizer, found = load_target(args.target, framework)
         if optimizer is None:
             raise PolyampError(f"{args.target} gave no optimizer; tune rebuilds it per configuration")
         models = {args.target: lambda: (model, batch, loss_fn, optimizer)}
