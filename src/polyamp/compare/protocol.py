@@ -16,10 +16,6 @@ import numpy as np
 from ..step import StepResult
 from .workloads import Workload
 
-# bytes per element of the dtypes a probe reports, by name
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "uint8": 1,
-            "bool": 1}  # fmt: skip
-
 
 class Memory(TypedDict):
     """Bytes a training case holds, by kind; ``None`` where the framework does not expose it.

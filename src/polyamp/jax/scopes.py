@@ -30,12 +30,6 @@ def layer_of(path: tuple[str, ...] | None) -> str:
     return "/".join(path)
 
 
-def leaf_name(path) -> str:
-    """A pytree leaf's name from its key path: the keys joined by "/" (``embed``, ``blocks/0/w``)."""
-    names = (next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k) for k in path)
-    return "/".join(map(str, names))
-
-
 def scope_paths(jaxpr, scope: tuple[str, ...] = ()):
     """The layer (:func:`layer_of`) of every equation of ``jaxpr`` and of its sub-jaxprs that has one
     (with duplicates)."""

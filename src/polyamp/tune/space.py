@@ -9,7 +9,7 @@ framework; it only calls ``build`` and the steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -114,5 +114,3 @@ def _text(value: Any) -> str:
     return {True: "on", False: "off", None: "default"}.get(value, str(value)) if not isinstance(value, int) \
         or isinstance(value, bool) else str(value)  # fmt: skip
 
-
-BuildFn = Callable[[Candidate], Step]
