@@ -21,7 +21,6 @@ from _timing import alternate
 
 import polyamp
 from polyamp.numerics import rounding
-from polyamp.torch import quantize as tq
 
 CASES = [  # (label, function name, args after x, kwargs)
     ("quantize e4m3fn nearest", "quantize", ("e4m3fn",), {}),
@@ -62,7 +61,7 @@ def main() -> None:
     print(header + (f" {'compiled ms':>11s} {'comp/np':>8s}" if args.compile else ""))
     for label, name, fargs, kwargs in CASES:
         core = partial(getattr(polyamp.numerics, name), x, *fargs, **kwargs)
-        ours = getattr(tq, name)
+        ours = getattr(polyamp, name)  # polyamp.quantize / quantize_blocks: the torch route for a tensor
         call = partial(_timed_torch, partial(ours, xt, *fargs, **kwargs), sync)
         contenders = {"numpy": core, "torch": call}
         if args.compile:

@@ -30,6 +30,7 @@ from mxnet.contrib.amp.amp import bfloat16  # noqa: E402
 from mxnet_caps import bf16_or_none, needs_bf16  # noqa: E402
 
 import polyamp.mxnet.binning as binning  # noqa: E402
+from polyamp.doctor import binning_host  # noqa: E402
 from polyamp.mxnet.doctor import collect, histogram, ratio_histogram  # noqa: E402
 from polyamp.mxnet.keep import float32_operators, keep_float32  # noqa: E402
 
@@ -56,24 +57,12 @@ def nd(values, dtype):
     return mx.nd.array(arr.astype(dtype), dtype=dtype)
 
 
-def special_values(dtype):
-    info = ml_dtypes.finfo(ml_dtypes.bfloat16) if dtype is bfloat16 else np.finfo(dtype)
-    big, tiny = float(info.max), float(info.smallest_normal)
-    values = [0.0, -0.0, math.inf, -math.inf, math.nan, big, -big, tiny, tiny / 2, tiny / 8, -tiny / 1024]
-    if dtype in ("float32", "float64"):
-        values += [1e-45, -3e-44, 1.17e-38] if dtype == "float32" else [5e-324, 1e-310]
-    return values
-
-
 def wide(n, dtype, seed):
     """Random magnitudes over most of the dtype's exponent range, both signs (float64 values)."""
     rng = np.random.default_rng(seed)
     info = ml_dtypes.finfo(ml_dtypes.bfloat16) if dtype is bfloat16 else np.finfo(dtype)
     lo, hi = math.log2(float(info.smallest_normal)) - 8, math.log2(float(info.max)) - 1
     return np.sign(rng.standard_normal(n)) * np.exp2(rng.uniform(lo, hi, n))
-
-
-DTYPES = ["float32", "float16", bfloat16, "float64"]
 
 
 @pytest.fixture(params=["numpy", "mxnet"])
@@ -86,64 +75,6 @@ def path(request, monkeypatch):
 
 
 # -- binning equals the numpy core -------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "float16", "bfloat16", "float64"])
-def test_histogram_equals_the_numpy_core(dtype, path):
-    rng = np.random.default_rng(0)
-    x = wide(20000, dtype, seed=1)
-    with_specials = x.copy()
-    with_specials[::97] = np.resize(special_values(dtype), with_specials[::97].size)
-    cases = [
-        x,
-        with_specials,
-        rng.standard_normal((3, 5, 7)),  # a few elements, not flat
-        rng.standard_normal(4000) * 1e-3,
-        special_values(dtype),
-        np.zeros(9),
-        np.full(4, np.nan),
-        [0.0, math.inf, -0.0],
-    ]
-    for values in cases:
-        a = nd(values, dtype)
-        assert histogram(a) == reference(a), (dtype, to_numpy(a).ravel()[:8])
-
-
-def test_float32_subnormals_zeros_and_extremes_are_binned_exactly(path):
-    sub = nd([1e-45, 2.8e-45, 1e-40, -1.1e-38, 5e-39, 0.0, -0.0], "float32")
-    h = histogram(sub)
-    assert h == reference(sub)
-    assert h.zeros == 2 and h.amin_nonzero == float(np.float32(1e-45))
-    assert h.amax == float(np.float32(1.1e-38))
-    assert histogram(nd([math.nan, 0.0], "float32")).amin_nonzero is None
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
-def test_update_ratio_histogram_equals_the_numpy_core(dtype):
-    rng = np.random.default_rng(2)
-    n = 6000
-    w = (rng.standard_normal(n) * np.exp2(rng.integers(-40, 40, n))).astype(dtype)
-    u = (rng.standard_normal(n) * np.exp2(rng.integers(-60, 10, n))).astype(dtype)
-
-    def both(u, w):
-        got = ratio_histogram(mx.nd.array(u, dtype=dtype), mx.nd.array(w, dtype=dtype))
-        return got, update_ratio_histogram(u, w)
-
-    got, want = both(u, w)
-    assert got == want
-    u[5] = 0  # one lost update in a large tensor
-    got, want = both(u, w)
-    assert got == want and got.zeros >= 1
-    specials = {0: (0.0, 1.0), 7: (1.0, 0.0), 11: (math.nan, 1.0), 13: (1.0, math.inf), 17: (0.0, 0.0),
-                19: (1e-44, 1.0), 23: (1.0, 1e-41), 29: (3e38, 1e-37), 31: (1e-37, 3e38)}  # fmt: skip
-    for i, (ui, wi) in specials.items():
-        u[i], w[i] = ui, wi
-    got, want = both(u, w)
-    assert got == want
-    assert got.apart == want.apart >= 1 and got.nonfinite >= 2
-    assert ratio_histogram(mx.nd.zeros(4, dtype=dtype), mx.nd.ones(4, dtype=dtype)).zeros == 4
-    with pytest.raises(PolyampError, match="shape"):
-        ratio_histogram(mx.nd.array(u[:3]), mx.nd.array(w[:4]))
-
-
 def test_float64_ratios_of_subnormals_and_beyond_float32_are_exact():
     u = np.array([5e-324, 1e-310, 1e-300, 1e300, 2.0, 3.0, 1e-30])
     w = np.array([1e-310, 1e-300, 1e-320, 1e-300, 1e-310, 4.0, 1e30])
@@ -196,7 +127,7 @@ def test_on_the_mxnet_path_only_counts_and_scalars_reach_the_host(monkeypatch):
 def test_chunks_with_zeros_infs_nans_and_subnormals_apart_combine_exactly():
     """numpy bins in chunks: one of zeros only, one of inf/NaN only, one with both amid normal
     values, one with subnormals, and a short last one holding the maximum."""
-    n = binning._CHUNK
+    n = binning_host.CHUNK
     x = np.random.default_rng(8).standard_normal(4 * n + 5).astype(np.float32)
     x[:n] = np.resize(np.array([0.0, -0.0], np.float32), n)
     x[n : 2 * n] = np.resize(np.array([np.inf, -np.inf, np.nan], np.float32), n)
@@ -244,7 +175,7 @@ def test_update_ratios_of_host_arrays_equal_the_numpy_core(path, before_in):
     """``_update`` (a step's update of a float32 weight): lost updates, zero weights, and the cases its
     fast path leaves to float64 (a tiny weight, a non-finite update, a ratio beyond float32)."""
     rng = np.random.default_rng(10)
-    n = 2 * binning._CHUNK + 3
+    n = 2 * binning_host.CHUNK + 3
     w = (rng.standard_normal(n) * np.exp2(rng.integers(-20, 20, n))).astype(np.float32)
     after = (w + rng.standard_normal(n).astype(np.float32) * np.float32(1e-3) * np.abs(w)).astype(np.float32)
     w[:40], after[20:60] = 0.0, w[20:60]  # zero weights (some updated), lost updates

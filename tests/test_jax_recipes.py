@@ -16,6 +16,7 @@ import optax  # noqa: E402
 import polyamp as pa  # noqa: E402
 from polyamp import PolyampError, recipes  # noqa: E402
 from polyamp.jax import recipe as jr  # noqa: E402
+from polyamp.jax import recipe_operands as jo  # noqa: E402
 from polyamp.jax import recipe_state as rs  # noqa: E402
 from polyamp.numerics import hadamard_tiles  # noqa: E402
 from polyamp.recipe_layers import RecipeWarning  # noqa: E402
@@ -48,7 +49,7 @@ def wide(shape, seed):
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("margin", [0, 3])
 def test_current_scale_equals_the_core(amax, fmt, margin):
-    got = jr.current_scale(jnp.float32(amax), fmt, margin)
+    got = jo.current_scale(jnp.float32(amax), fmt, margin)
     assert np.asarray(got).tobytes() == np.float32(recipes.current_scale(amax, fmt, margin)).tobytes()
 
 
@@ -58,7 +59,7 @@ def test_tensorwise_equals_the_core(fmt):
     x[0, :6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-42]
     # compiled, where XLA would turn the division by the scale into a product with its reciprocal (the
     # eager path: test_each_operand_is_quantized_as_the_core_does)
-    f = jax.jit(jr.tensorwise, static_argnums=1)
+    f = jax.jit(jo.tensorwise, static_argnums=1)
     for t in (x, x[1:], x[1:] * 2.0**-100, np.zeros((3, 4), np.float32)):
         amax = float(np.max(np.abs(t))) if t.size else 0.0
         want = recipes.quantize_tensorwise(t, fmt, recipes.current_scale(amax, fmt))
@@ -72,7 +73,7 @@ def test_each_operand_is_quantized_as_the_core_does(spec, operand):
     x = wide({"input": X2, "weight": W, "grad": G}[operand], 2)
     x[3, :40] = 0.0
     for axis in (-1, 0):
-        got = jr.quantize(jnp.asarray(x), r, operand, axis)
+        got = jo.quantize(jnp.asarray(x), r, operand, axis)
         fmt = r.backward_format if operand == "grad" else r.forward_format
         if r.kind != "block":
             want = recipes.quantize_tensorwise(x, fmt, recipes.current_scale(float(np.abs(x).max()), fmt))
@@ -91,7 +92,7 @@ def test_a_transposed_operand_rounded_to_nearest_is_the_same_program():
     r = recipes.parse_recipe("mxfp8")
     w = jnp.asarray(wide((48, 80), 8))  # a shape no other test quantizes
     before = blocks64.values_jit._cache_size()
-    assert same(jr.quantize(w, r, "weight", -1, transposed=True), jr.quantize(w, r, "weight", 0))
+    assert same(jo.quantize(w, r, "weight", -1, transposed=True), jo.quantize(w, r, "weight", 0))
     assert blocks64.values_jit._cache_size() <= before + 1  # (before: a program for each)
 
 
@@ -105,7 +106,7 @@ def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
     dx, dw = vjp(jnp.asarray(g).reshape(2, 16, 96))
 
     def q(a, operand, axis):
-        return jnp.asarray(np.asarray(jr.quantize(jnp.asarray(a), r, operand, axis)))
+        return jnp.asarray(np.asarray(jo.quantize(jnp.asarray(a), r, operand, axis)))
 
     def mm(a, b):
         return jax.lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=f32)
@@ -200,7 +201,7 @@ TILE_CASES = [((5,), -1), ((16,), 0), ((3, 40), -1), ((40, 3), 0), ((2, 33, 7), 
 def test_hadamard_tiles_equal_the_cores(shape, axis):
     rng = np.random.default_rng(sum(shape))
     x = (rng.standard_normal(shape) * np.exp2(rng.integers(-30, 30, shape))).astype(np.float32)
-    got = jax.jit(jr.hadamard_tiles, static_argnums=1)(jnp.asarray(x), axis)
+    got = jax.jit(hadamard_tiles, static_argnums=1)(jnp.asarray(x), axis)
     assert same(got, hadamard_tiles(x, axis))
 
 
@@ -208,7 +209,7 @@ def test_hadamard_tiles_carry_specials_as_the_core_does():
     # NaN and inf spoil their tile; sums past float32's range overflow to inf; -0.0 and partial tiles
     x = np.float32([1, np.inf, 3, np.nan, 0, -0.0, 3e38, 3e38, 2, 2, 2, 2, 2, 2, 2, 2, 3e38, 3e38, 3e38,
                     3e38, 1, -0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -0.0, 0.5, 0.25])  # fmt: skip
-    f = jax.jit(jr.hadamard_tiles)  # one program per shape, not one per operation
+    f = jax.jit(hadamard_tiles)  # one program per shape, not one per operation
     for v in (x, -x, x[16:], np.full(16, -0.0, np.float32)):
         assert same(f(jnp.asarray(v)), hadamard_tiles(v))
 

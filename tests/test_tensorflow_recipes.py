@@ -444,8 +444,7 @@ def test_bad_input_is_one_clear_error():
 
 @pytest.mark.parametrize(("shape", "axis"), [((37, 5), 0), ((3, 40), -1), ((2, 33, 7), 1), ((0, 4), 0)])
 def test_hadamard_tiles_equal_the_cores(shape, axis):
-    from polyamp.tensorflow.hadamard import hadamard_tiles as tf_tiles
-
+    tf_tiles = hadamard_tiles  # the core's, run on TF tensors over polyamp.tensorflow.xp
     x = wide(shape, 9) if math.prod(shape) else np.zeros(shape, np.float32)
     signature = [tf.TensorSpec([None] * len(shape), tf.float32)]  # the tiled axis of unknown length
     traced = tf.function(lambda v: tf_tiles(v, axis), input_signature=signature)

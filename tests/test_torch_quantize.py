@@ -8,10 +8,12 @@ from test_rounding import bits_equal, edge_values, random_float32
 
 import polyamp
 from polyamp import BLOCK_FORMATS, PolyampError
-from polyamp.numerics import FORMATS, blocks, rounding
+from polyamp.numerics import FORMATS, exact_float, stream
 from polyamp.numerics import quantize as np_quantize
 from polyamp.numerics import quantize_blocks as np_quantize_blocks
-from polyamp.torch import quantize as tq
+from polyamp.numerics import xp as numpy_ops
+from polyamp.torch import block_plane as bp
+from polyamp.torch import xp as torch_ops
 
 MODES = ("nearest", "toward_zero", "stochastic")
 SEEDS = {"nearest": None, "toward_zero": None, "stochastic": 2**64 - 12345}
@@ -56,7 +58,7 @@ def test_quantize_matches_core_float32_and_float64(name, mode):
         for saturate in (False, True):
             with np.errstate(invalid="ignore", over="ignore"):
                 core = np_quantize(x, name, mode, saturate, seed=SEEDS[mode])
-            assert_same(tq.quantize(to_torch(x), name, mode, saturate, seed=SEEDS[mode]), core)
+            assert_same(polyamp.quantize(to_torch(x), name, mode, saturate, seed=SEEDS[mode]), core)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
@@ -67,44 +69,45 @@ def test_every_16_bit_input_matches_core_with_its_result_dtype(dtype, mode):
         for saturate in (False, True):
             with np.errstate(invalid="ignore", over="ignore"):
                 core = np_quantize(x, name, mode, saturate, seed=SEEDS[mode] and 99)
-            assert_same(tq.quantize(to_torch(x), name, mode, saturate, seed=SEEDS[mode] and 99), core)
+            assert_same(polyamp.quantize(to_torch(x), name, mode, saturate, seed=SEEDS[mode] and 99), core)
 
 
 def test_stochastic_stream_is_the_cores():
     for seed in (0, 1, 2**63, 2**64 - 1):
-        key = rounding._mix(seed)
-        ours = tq._uniform53(key, 100_000, "cpu").numpy()
-        assert np.array_equal(ours, rounding._uniform53(key, 100_000))
+        key = stream.mix(seed)
+        ours = stream.uniform53(torch_ops, key, 100_000, torch.empty(0)).numpy()
+        assert np.array_equal(ours, stream.uniform53(numpy_ops, key, 100_000, np.empty(0)))
 
 
 def test_stochastic_seeds():
     x = to_torch(np.full(20_000, 1.1, np.float32))
-    a, b = tq.quantize(x, "e4m3fn", "sr", seed=1), tq.quantize(x, "e4m3fn", "sr", seed=2)
-    assert not torch.equal(a, b) and torch.equal(a, tq.quantize(x, "e4m3fn", "sr", seed=1))
-    fresh = tq.quantize(x, "e4m3fn", "stochastic")  # no seed: fresh entropy, still on the grid
+    a, b = polyamp.quantize(x, "e4m3fn", "sr", seed=1), polyamp.quantize(x, "e4m3fn", "sr", seed=2)
+    assert not torch.equal(a, b) and torch.equal(a, polyamp.quantize(x, "e4m3fn", "sr", seed=1))
+    fresh = polyamp.quantize(x, "e4m3fn", "stochastic")  # no seed: fresh entropy, still on the grid
     assert set(fresh.unique().tolist()) <= {1.0, 1.125} and abs(fresh.mean().item() - 1.1) < 0.01
 
 
 def test_shapes_layouts_and_grad():
     x = np.random.default_rng(2).standard_normal((64, 48)).astype(np.float32)
     t = to_torch(x).t()  # not contiguous: the stochastic index is the logical (C-order) position
-    assert_same(tq.quantize(t, "e5m2", "stochastic", seed=4), np_quantize(x.T, "e5m2", "stochastic", seed=4))
+    core = np_quantize(x.T, "e5m2", "stochastic", seed=4)
+    assert_same(polyamp.quantize(t, "e5m2", "stochastic", seed=4), core)
     x64 = torch.from_numpy(X64.copy())
-    tq.quantize(x64, "e5m2", "stochastic", seed=1), tq.quantize_blocks(x64, "nvfp4")
+    polyamp.quantize(x64, "e5m2", "stochastic", seed=1), polyamp.quantize_blocks(x64, "nvfp4")
     assert torch.equal(x64.nan_to_num(), torch.from_numpy(X64).nan_to_num())  # the input is untouched
-    scalar = tq.quantize(torch.tensor(464.0, dtype=torch.float64), "e4m3fn")
+    scalar = polyamp.quantize(torch.tensor(464.0, dtype=torch.float64), "e4m3fn")
     assert scalar.shape == () and scalar.item() == 448.0
     g = torch.ones(3, requires_grad=True) * 1.3
-    assert not tq.quantize(g, "bf16").requires_grad
-    assert tq.quantize(torch.empty(0, 3), "e4m3fn").shape == (0, 3)
+    assert not polyamp.quantize(g, "bf16").requires_grad
+    assert polyamp.quantize(torch.empty(0, 3), "e4m3fn").shape == (0, 3)
 
 
 def test_compiles_without_graph_breaks():
     """torch.compile traces both in one graph (TorchScript cannot: it has no aten::view(dtype))."""
     x = to_torch(block_data().astype(np.float32))
-    for fn in (lambda t: tq.quantize(t, "e4m3fn", "stochastic", seed=3),
-               lambda t: tq.quantize_blocks(t, "nvfp4", block=(16, 16), rounding="sr", seed=3),
-               lambda t: tq.quantize_blocks(t, "mxfp8_e4m3", axis=0, scale_rule="even")):  # fmt: skip
+    for fn in (lambda t: polyamp.quantize(t, "e4m3fn", "stochastic", seed=3),
+               lambda t: polyamp.quantize_blocks(t, "nvfp4", block=(16, 16), rounding="sr", seed=3),
+               lambda t: polyamp.quantize_blocks(t, "mxfp8_e4m3", axis=0, scale_rule="even")):  # fmt: skip
         compiled = torch.compile(fn, backend="eager", fullgraph=True)
         assert torch.equal(compiled(x).nan_to_num(), fn(x).nan_to_num())
 
@@ -140,7 +143,7 @@ def test_quantize_blocks_matches_core(fmt, rule, mode):
         for axis, block in axes:
             seed = 11 if mode == "stochastic" else None
             core = np_quantize_blocks(xx, fmt, axis, block, rule, mode, seed)
-            assert_same(tq.quantize_blocks(to_torch(xx), fmt, axis, block, rule, mode, seed), core)
+            assert_same(polyamp.quantize_blocks(to_torch(xx), fmt, axis, block, rule, mode, seed), core)
 
 
 def tile_sets():
@@ -189,12 +192,12 @@ def test_whole_tiles_take_the_fast_path_and_match_the_core(fmt, rule, mode, chun
     (nearest) and ``_nvfp4_plane`` match the core on every layout; a small chunk makes many passes (and
     stochastic rounding takes the torch-op passes, not the compiled one it takes without a chunk)."""
     if chunk:
-        monkeypatch.setattr(tq, "_PLANE_CHUNK", chunk)
-        monkeypatch.setattr(tq, "stochastic_tiles_kernel", lambda: None)
+        monkeypatch.setattr(bp, "_PLANE_CHUNK", chunk)
+        monkeypatch.setattr(bp, "stochastic_tiles_kernel", lambda: None)
     taken = []
     for name in ("_mx_plane", "_nvfp4_plane"):
-        original = getattr(tq, name)
-        monkeypatch.setattr(tq, name, lambda *a, f=original: taken.append(1) or f(*a))
+        original = getattr(bp, name)
+        monkeypatch.setattr(bp, name, lambda *a, f=original: taken.append(1) or f(*a))
     seed = 2**64 - 7 if mode == "stochastic" else None
     calls = 0
     for data in tile_sets():
@@ -203,7 +206,7 @@ def test_whole_tiles_take_the_fast_path_and_match_the_core(fmt, rule, mode, chun
                 xx = data.astype(dtype)
             for make, view, axis, block in tile_layouts(fmt):
                 core = np_quantize_blocks(view(xx), fmt, axis, block, rule, mode, seed)
-                assert_same(tq.quantize_blocks(make(xx), fmt, axis, block, rule, mode, seed), core)
+                assert_same(polyamp.quantize_blocks(make(xx), fmt, axis, block, rule, mode, seed), core)
                 calls += 1
     assert len(taken) == calls
 
@@ -211,13 +214,13 @@ def test_whole_tiles_take_the_fast_path_and_match_the_core(fmt, rule, mode, chun
 def test_other_blocks_take_the_general_path(monkeypatch):
     taken = []
     for name in ("_mx_plane", "_nvfp4_plane"):
-        monkeypatch.setattr(tq, name, lambda *a: taken.append(1))
+        monkeypatch.setattr(bp, name, lambda *a: taken.append(1))
     x = to_torch(block_data((64, 96)).astype(np.float32))
-    tq.quantize_blocks(x[:, :40], "mxfp8_e4m3")  # a partial block
-    tq.quantize_blocks(x, "mxfp8_e4m3", rounding="stochastic", seed=1)
-    tq.quantize_blocks(x.double(), "nvfp4")
-    tq.quantize_blocks(x.reshape(2, 32, 96).permute(1, 0, 2), "nvfp4")  # neither contiguous nor a .t()
-    tq.quantize_blocks(x[:40], "nvfp4", axis=0)
+    polyamp.quantize_blocks(x[:, :40], "mxfp8_e4m3")  # a partial block
+    polyamp.quantize_blocks(x, "mxfp8_e4m3", rounding="stochastic", seed=1)
+    polyamp.quantize_blocks(x.double(), "nvfp4")
+    polyamp.quantize_blocks(x.reshape(2, 32, 96).permute(1, 0, 2), "nvfp4")  # neither contiguous nor a .t()
+    polyamp.quantize_blocks(x[:40], "nvfp4", axis=0)
     assert taken == []
 
 
@@ -230,9 +233,9 @@ def test_blocks_3d_partial_and_float64_extremes(fmt):
     block = (16, 16) if fmt == "nvfp4" else None
     for axis in [(0, 2), (2, 1)] if fmt == "nvfp4" else [0, 1, 2]:
         core = np_quantize_blocks(x, fmt, axis, block)
-        assert_same(tq.quantize_blocks(to_torch(x), fmt, axis, block), core)
+        assert_same(polyamp.quantize_blocks(to_torch(x), fmt, axis, block), core)
     for x in (np.zeros((2, 16)), np.full((2, 16), np.nan), np.array([[np.inf] * 16, [1.0] * 16])):
-        assert_same(tq.quantize_blocks(to_torch(x), fmt), np_quantize_blocks(x, fmt))
+        assert_same(polyamp.quantize_blocks(to_torch(x), fmt), np_quantize_blocks(x, fmt))
 
 
 def test_nvfp4_global_scale_float32_quotient_rounds_as_the_exact_one():
@@ -241,8 +244,11 @@ def test_nvfp4_global_scale_float32_quotient_rounds_as_the_exact_one():
     near = 2688 * (1 + np.arange(1, 2000) * 2.0**-24)  # quotients next to float32 midpoints
     amax = np.concatenate([raw, near]).astype(np.float32)
     amax = np.abs(amax[np.isfinite(amax) & (amax != 0)])
-    ours = [tq._nvfp4_global(torch.tensor([v], dtype=torch.float64), torch.float32).item() for v in amax]
-    assert ours == [blocks._nvfp4_global(np.array([v], np.float64)) for v in amax]
+    ours = [exact_float.nvfp4_global_of(torch_ops, torch.tensor([v], dtype=torch.float64), False).item()
+            for v in amax]
+    assert ours == [exact_float.nvfp4_global_of(numpy_ops, np.array([v], np.float64), False).item()
+                    for v in amax]
+    assert ours == [exact_float.global_scale(float(v)) for v in amax]  # the exact quotient, rounded once
 
 
 # -- dispatch and errors ---------------------------------------------------------------------------
@@ -295,12 +301,13 @@ def test_non_float_tensors_are_refused():
 def test_cuda_matches_core():
     for mode in MODES:
         core = np_quantize(X, "e4m3fn", mode, seed=SEEDS[mode])
-        out = tq.quantize(to_torch(X, "cuda"), "e4m3fn", mode, seed=SEEDS[mode])
+        out = polyamp.quantize(to_torch(X, "cuda"), "e4m3fn", mode, seed=SEEDS[mode])
         assert out.device.type == "cuda"
         assert_same(out, core)
     x = block_data()
     for fmt, rule in BLOCK_CASES:
         for mode in ("nearest", "stochastic"):
             core = np_quantize_blocks(x.astype(np.float32), fmt, -1, None, rule, mode, 3)
-            out = tq.quantize_blocks(to_torch(x.astype(np.float32), "cuda"), fmt, -1, None, rule, mode, 3)
+            cuda = to_torch(x.astype(np.float32), "cuda")
+            out = polyamp.quantize_blocks(cuda, fmt, -1, None, rule, mode, 3)
             assert_same(out, core)

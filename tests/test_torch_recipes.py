@@ -15,9 +15,9 @@ from torch import nn
 import polyamp as pa
 from polyamp import PolyampError, recipes
 from polyamp.numerics import hadamard as core_hadamard
+from polyamp.numerics.hadamard import hadamard_tiles
 from polyamp.recipe_layers import RecipeWarning
 from polyamp.torch import recipe as tr
-from polyamp.torch.hadamard import hadamard_tiles
 
 RECIPE_NAMES = list(recipes.RECIPES)
 
@@ -196,14 +196,13 @@ def test_hadamard_tiles_dtypes_and_ranges():
         (torch.arange(16), r"received a torch.int64 tensor of shape \(16,\)"),
         (torch.tensor(1.0), r"received a torch.float32 tensor of shape \(\)"),
         (torch.ones(16, dtype=torch.complex64), r"received a torch.complex64 tensor"),
-        (np.ones(16, np.float32), r"float64 tensor of 1 or more dimensions; received ndarray"),
     ],
 )
 def test_hadamard_tiles_errors(bad, match):
     with pytest.raises(PolyampError, match=match):
         hadamard_tiles(bad)
     for axis in (2, -3, 1.0, True):
-        with pytest.raises(PolyampError, match=r"not an axis of a 2-d tensor; accepted: integers in \["):
+        with pytest.raises(PolyampError, match=r"not an axis of a 2-d array; accepted: integers in \["):
             hadamard_tiles(torch.ones(2, 16), axis=axis)
 
 

@@ -122,7 +122,7 @@ def ops_of(x: Any) -> ModuleType | None:
     name = detect(x)
     if name not in FRAMEWORKS:
         return None
-    xp = front_end_module(name, "xp")
+    xp = sys.modules.get(f"polyamp.{name}.xp") or front_end_module(name, "xp")  # torch.compile traces this
     return xp if xp.accepts(x) else None
 
 

@@ -105,8 +105,9 @@ def ensure_reports(folder: Path, frameworks: list[str], workloads: list[str], bu
             path = report_path(folder, fw, wl)
             if not path.exists():
                 say(f"no {path}: running polyamp tune --framework {fw} --workloads {wl} --budget {budget:g}")
-                cmd = [interpreters.interpreter(fw), "-m", "polyamp", "tune", "--framework", fw, "--workloads",
-                       wl, "--budget", str(budget), "--out", str(folder), *(["--quick"] if quick else [])]
+                cmd = [interpreters.interpreter(fw), "-m", "polyamp", "tune", "--framework", fw,
+                       "--workloads", wl, "--budget", str(budget), "--out", str(folder),
+                       *(["--quick"] if quick else [])]
                 done = subprocess.run(cmd, env=interpreters.child_env(), stdout=subprocess.DEVNULL)
                 if done.returncode != 0 or not path.exists():
                     raise PolyampError(f"polyamp tune for {fw} {wl} failed (exit {done.returncode})")

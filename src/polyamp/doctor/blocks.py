@@ -28,12 +28,12 @@ rule for a non-finite amax). Counts and sums add up over calls and steps (``Meas
 ``Measured.to_json`` gives the three shares as fractions of the non-zero finite elements.
 
 ``measure`` is the numpy reference; the torch and JAX front ends measure on the device with their
-kernels (``polyamp.<framework>.doctor.measure_tensor``) and ``plan`` (per-block clip thresholds from the
-blocks' amaxes, computed here on the host), tested equal to it. TensorFlow and MXNet measure a numpy
-copy with ``measure`` (``Meter``). Blocks run along the GEMM's reduction axis, as the recipes block
-the forward operands: the last axis of outputs (the next layer's inputs) and of a torch / MXNet
-weight ``(out, in)``; a JAX / Keras 2-d kernel ``(in, out)`` and its gradient are measured transposed
-(``gemm_layout``).
+kernels (``measure_on`` over their ops, ``polyamp.<framework>.doctor.measure_tensor``) and ``plan``
+(per-block clip thresholds from the blocks' amaxes, computed here on the host), tested equal to it.
+TensorFlow and MXNet measure a numpy copy with ``measure`` (``Meter``). Blocks run along the GEMM's
+reduction axis, as the recipes block the forward operands: the last axis of outputs (the next layer's
+inputs) and of a torch / MXNet weight ``(out, in)``; a JAX / Keras 2-d kernel ``(in, out)`` and its
+gradient are measured transposed (``gemm_layout``).
 """
 
 from __future__ import annotations
@@ -207,10 +207,10 @@ def _block_bound(cast: Cast, amax: np.ndarray, bad: np.ndarray) -> np.ndarray:
     and in blocks holding inf/NaN."""
     bf = BLOCK_FORMATS[cast.format]
     if bf.scale.name == "e8m0fnu":
-        k = _core._mx_exponent(amax, bf.element, cast.scale_rule)
+        k = _core.exact_float.mx_exponent(_core.xp, amax, bf.element, cast.scale_rule)
         bound = float(bf.element.max) * np.ldexp(1.0, k.astype(np.int32))
     else:
-        g = _core._nvfp4_global(np.array([amax.max() if amax.size else 0.0]))
+        g = _core.exact_float.nvfp4_global(_core.xp, amax, True)
         unit = np.full(amax.shape, bf.element.max * g)
         s = _core._round_quotient(amax, unit, bf.scale, _MODE["nearest"], 0)
         bound = np.where(s > 0, bf.element.max * s * g, np.inf)
@@ -277,11 +277,11 @@ def measure(x, cast: Cast) -> Measured:
     else:
         block = cast.block_for(x.ndim)
         axes = _core._axes((-2, -1) if len(block) == 2 else -1, x.ndim, len(block))
-        amax = _core._block_amax(fin, axes, block)
-        bad = _core._block_amax(np.where(finite, 0.0, 1.0), axes, block) > 0
-        bound = _core._expand(_block_bound(cast, amax, bad), axes, block, x.shape)
+        amax = _core.exact_float.block_amax(_core.xp, fin, axes, block)
+        bad = _core.exact_float.block_amax(_core.xp, np.where(finite, 0.0, 1.0), axes, block) > 0
+        bound = _core.exact_float.expand(_core.xp, _block_bound(cast, amax, bad), axes, block, x.shape)
         q = cast_numpy(x, cast).astype(np.float64)
-        good = finite & ~_core._expand(bad, axes, block, x.shape)
+        good = finite & ~_core.exact_float.expand(_core.xp, bad, axes, block, x.shape)
         clip = a > bound
     nonzero = finite & (a != 0)
     ok = nonzero & good
@@ -290,6 +290,43 @@ def measure(x, cast: Cast) -> Measured:
                     underflow=int((ok & (q == 0)).sum()), clipped=int((ok & clip).sum()),
                     spoiled=int((nonzero & ~good).sum()), err=float((d * d).sum()),
                     energy=float((np.where(good, a, 0.0) ** 2).sum()))  # fmt: skip
+
+
+# -- on a front end's device ------------------------------------------------------------------------
+def measure_on(ops, t, cast: Cast) -> Measured:
+    """``measure`` of a front end's tensor on its device, over its ops module (``polyamp.<framework>.xp``,
+    section "binning"): ``t`` as float32 (``ops.measured``); each block's finite amax and whether it
+    holds inf/NaN (``ops.block_amax``) go to the host for ``plan``; the front end's kernels cast
+    (``ops.measure_cast``), and the counts and float64 sums are taken on the device (``ops.block_stats``,
+    told whether any block is spoiled), in the zero-padded blocked view of ``blocked`` (padding is zero:
+    never counted)."""
+    x = ops.measured(t)
+    n = ops.numel(x)
+    if not n:
+        return Measured()
+    block = cast.block_for(x.ndim)
+    tiles = block if cast.scaling == "block" else ()
+    amax, bad = ops.block_amax(x, tiles)
+    thr, scale = plan(cast, amax, bad)
+    q = ops.measure_cast(x, cast, block, scale)
+    counts, sums = ops.block_stats(x, q, thr, tiles, cast.scaling == "block", bool(bad.any()))
+    return Measured(n, *(int(c) for c in counts), *(float(v) for v in sums))
+
+
+def blocked(ops, x, block: tuple[int, ...]):
+    """``x`` zero-padded and viewed as blocks, and the axes a block spans: () -> the whole tensor one
+    block; (B,) -> blocks of B along the last axis; (16, 16) -> tiles of the last two axes."""
+    if not block:
+        return x.reshape(1, -1), (1,)
+    if len(block) == 1:
+        (b,) = block
+        x2 = x.reshape(-1, x.shape[-1])
+        x2 = ops.zero_pad_end(x2, (0, -x2.shape[1] % b))
+        return x2.reshape(x2.shape[0], -1, b), (2,)
+    h, w = x.shape[-2:]
+    x3 = ops.zero_pad_end(x.reshape(-1, h, w), (0, -h % block[0], -w % block[1]))
+    tiles = (x3.shape[0], x3.shape[1] // block[0], block[0], x3.shape[2] // block[1], block[1])
+    return x3.reshape(tiles), (2, 4)
 
 
 KERNEL_KINDS = ("weight", "grad_weight")

@@ -23,16 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram
+from ..doctor import binning as core
+from ..doctor.histogram import N_BINS, LogHistogram
+from ..doctor.vector import APART, NONFINITE, ZEROS
 from ..errors import PolyampError
+from . import xp
 
-ZERO, NONFINITE, APART = N_BINS, N_BINS + 1, N_BINS + 2  # the extra slots of the one bincount
 _SLOTS = N_BINS + 3
 IGNORE = _SLOTS  # where the elements that a chunk repeats are counted, and dropped
 _CHUNK = 1 << 18
 _SCATTER = lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
                                        scatter_dims_to_operand_dims=(0,))  # fmt: skip
-_LOG_SUB = SUB.bit_length() - 1  # SUB is a power of two
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,10 @@ class _Layout:
     @property
     def tiny(self) -> int:  # the smallest subnormal is 2^-tiny
         return self.bias - 1 + self.mant
+
+    @property
+    def width(self) -> core.Width:
+        return core.F32 if self.mant == 23 else core.F64
 
     @property
     def window(self) -> tuple[int, int]:
@@ -86,16 +91,6 @@ def _magnitude_bits(x, lay: _Layout):
     return bits & jnp.asarray(lay.inf | (lay.normal - 1), lay.int)
 
 
-def _binade(a, lay: _Layout):
-    """(b, key, mantissa) of finite non-zero magnitudes with bits ``a``: ``2^b <= |x| < 2^(b+1)``,
-    ``key = SUB * (b + bias) + k``, and the mantissa bits of the normalised value."""
-    sub = a < lay.normal
-    n = jnp.where(sub, lax.bitcast_convert_type(a.astype(lay.float), lay.int), a)  # float(a) is normal
-    shift = jnp.where(sub, lay.tiny, 0).astype(lay.int)
-    b = (n >> lay.mant) - lay.bias - shift
-    return b, (n >> (lay.mant - _LOG_SUB)) - SUB * shift, n & (lay.normal - 1)
-
-
 def _reduce(maxima: list, minima: list) -> list:
     """Max of each of ``maxima`` and min of each of ``minima`` (int arrays) in one variadic reduction:
     XLA on CPU vectorises it, unlike a lone integer max (10x faster), and compiles one kernel."""
@@ -111,31 +106,22 @@ def _reduce(maxima: list, minima: list) -> list:
 
 
 def _hist_elements(a, lay: _Layout):
-    """Each element's slot, and the keys of the extremes: [amax bits] maxima, [amin non-zero bits] minima."""
-    _, key, _ = _binade(a, lay)
-    idx = key + (1 - SUB * (lay.bias + B_MIN))  # SUB * (b - B_MIN) + k + 1
-    if lay is _F64:
-        idx = jnp.clip(idx, 0, N_BINS - 1)
+    """Each element's slot (``doctor/binning.py``), and the keys of the extremes: [amax bits] maxima,
+    [amin non-zero bits] minima."""
     finite = a < lay.inf
     big = np.iinfo(lay.int).max
-    slots = jnp.where(a == 0, ZERO, jnp.where(finite, idx, NONFINITE))
+    slots = core.value_slots(xp, a, lay.width)
     return slots, [jnp.where(finite, a, 0)], [jnp.where(finite & (a > 0), a, big)]
 
 
 def _ratio_elements(au, aw, lay: _Layout):
-    """Each element's slot for ``|u| / 2^b(w)``, and the keys of the extremes. The ratio is ``(1 + m /
-    2^mant) * 2^s``, ``s = b(u) - b(w)`` within +-276 for float32, more than an int32 key ``s << 23 | m``
-    holds; the extremes are those of ``clamp(s + o, -255, 254) << 23 | m`` for o = -22 and +22 (float64:
-    int64, 52, -2047..2046, 51): maxima [with -22, with +22], minima [with +22, with -22]; ``_decode``
-    takes the one in whose window the extreme lies unclamped."""
-    bad = (au >= lay.inf) | (aw >= lay.inf)
-    apart = ~bad & (aw == 0)
-    zero = ~bad & ~apart & (au == 0)
-    bu, key, mant = _binade(au, lay)
-    shift = bu - _binade(aw, lay)[0]
-    idx = jnp.clip(SUB * (shift - B_MIN) + (key & (SUB - 1)) + 1, 0, N_BINS - 1)
-    slots = jnp.where(bad, NONFINITE, jnp.where(apart, APART, jnp.where(zero, ZERO, idx)))
-    counted = ~(bad | apart | zero)
+    """Each element's slot for ``|u| / 2^b(w)`` (``doctor/binning.py``), and the keys of the extremes. The
+    ratio is ``(1 + m / 2^mant) * 2^s``, ``s = b(u) - b(w)`` within +-276 for float32, more than an int32
+    key ``s << 23 | m`` holds; the extremes are those of ``clamp(s + o, -255, 254) << 23 | m`` for o = -22
+    and +22 (float64: int64, 52, -2047..2046, 51): maxima [with -22, with +22], minima [with +22, with
+    -22]; ``_decode`` takes the one in whose window the extreme lies unclamped."""
+    slots, counted, shift, pu = core.ratio_parts(xp, au, aw, lay.width)
+    mant = pu & (lay.normal - 1)
     top, offset = lay.window
     info = np.iinfo(lay.int)
 
@@ -228,7 +214,7 @@ def _histogram(counts: np.ndarray, extremes: np.ndarray, lay: _Layout, ratio: bo
     """A LogHistogram from the counts and extremes that the program brought back."""
     amax, amin = _decode(extremes, lay, ratio)
     counts = np.asarray(counts, np.int64)
-    return LogHistogram.from_counts(counts[:N_BINS], int(counts[ZERO]), int(counts[NONFINITE]), amax, amin,
+    return LogHistogram.from_counts(counts[:N_BINS], int(counts[ZEROS]), int(counts[NONFINITE]), amax, amin,
                                     apart=int(counts[APART]))  # fmt: skip
 
 

@@ -1,8 +1,9 @@
-"""Block formats of float32 (or narrower) JAX arrays in float64 XLA ops: the integer route's bits, faster.
+"""Block formats of JAX arrays: ``quantize_blocks``; float32 (or narrower) input in float64 XLA ops, the
+integer route's bits, faster.
 
 ``quantize.py`` reproduces the core with integer ops only, because XLA's CPU backend flushes float32
 subnormals and float64 is off by default; its NVFP4 quotients are long divisions (57 steps each for
-stochastic rounding). This route runs where float64 is on (``quantize.blocks_keyed`` enables it for
+stochastic rounding). This route runs where float64 is on (``blocks_keyed`` enables it for
 the call) and follows the core's own float64 arithmetic, as torch's ``_mx_plane`` / ``_nvfp4_plane`` do:
 
 1. per block, exactly as ``quantize.py`` (integer ops on the per-block values: cheap): MX, the E8M0
@@ -35,12 +36,47 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..numerics import blocks as _core_blocks
 from ..numerics.formats import FORMATS
 from . import quantize as _q
 
 _EXP64 = 0x7FF << 52
 _SIGN64 = 1 << 63
 _GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
+                    rounding: str = "nearest", seed: int | None = None):  # fmt: skip
+    """``polyamp.quantize_blocks`` for a JAX array: same values and bits, float32 unless x is float64."""
+    bf, mode, seed, rule = _core_blocks.arguments(fmt, scale_rule, rounding, seed)
+    x = _q._input(x, "quantize_blocks")
+    _q._check_size(x, mode)
+    shape = _core_blocks._block_shape(bf, block)
+    axes = _core_blocks._axes(axis, x.ndim, len(shape))
+    return blocks_keyed(x, _q._key(seed), bf, axes, shape, rule, mode)
+
+
+def blocks_keyed(x, key, bf, axes, shape, rule, mode, order=None):
+    """``quantize_blocks``' values (arguments checked) with the stream's key in place of the seed; with
+    ``order``, stochastic rounding indexes elements by their position in ``x.transpose(order)``. NVFP4 of
+    float32 or narrower input takes the float64 route (here), float64 input the integer one."""
+    mx = bf.scale.name == "e8m0fnu"
+    code = _core_blocks.SCALE_RULES.index(rule) if mx else 0
+    if mode != _q._STOCHASTIC:  # only the stream's indices depend on the order: one compilation for both
+        order = None
+    if x.dtype != jnp.float64:
+        with jax.enable_x64(True):  # scoped: float64 and uint64 for this call only
+            return values_jit(x, key, bf=bf, rule=code, axes=axes, shape=shape,
+                                       stochastic=mode == _q._STOCHASTIC, order=order)  # fmt: skip
+    if order is not None:  # the integer route indexes x's own layout: quantize the transposed copy
+        back = tuple(np.argsort(order))
+        moved = tuple(order.index(a) for a in axes)
+        return jnp.transpose(blocks_keyed(jnp.transpose(x, order), key, bf, moved, shape, rule, mode), back)
+    # the element grid and the scale rule are traced, so one compilation serves every MX format
+    elem = _q._Grid.of(bf.element, True).arrays()
+    return _q._blocks_values(
+        x, key, elem, np.int32(code), bf=None if mx else bf, axes=axes, shape=shape, mode=mode
+    )
 
 
 def values(x, key, bf, rule, axes, shape, stochastic: bool, order=None):

@@ -58,7 +58,7 @@ from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
 from .binning import _F64, _histogram, _layout, _stats, histogram, ratio_histogram
-from .doctor_measure import measure_tensor
+from .doctor_measure import OPS as _MEASURE_OPS
 from .doctor_recipe import RecipeOperands, layout
 from .modules import leaf_names, model_leaves, module_scopes
 from .scopes import layer_of, name_scopes
@@ -424,3 +424,8 @@ class _Program:
 
 
 __all__ = ["collect", "histogram", "ratio_histogram"]
+
+
+def measure_tensor(t, cast: _blocks.Cast) -> _blocks.Measured:
+    """``blocks.measure`` of a JAX array, on its device (``measure_on`` over ``doctor_measure.OPS``)."""
+    return _blocks.measure_on(_MEASURE_OPS, t, cast)

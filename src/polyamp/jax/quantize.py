@@ -47,12 +47,12 @@ import numpy as np
 from jax import lax
 
 from ..errors import PolyampError
-from ..numerics import blocks as _blocks
 from ..numerics.formats import FORMATS
 from ..numerics.grid import FLOAT64 as _FLOAT64
 from ..numerics.grid import Grid as _Grid
-from ..numerics.rounding import _MODE, INPUT_DTYPES, _mix, _result_dtype
+from ..numerics.rounding import _MODE, INPUT_DTYPES, _result_dtype
 from ..numerics.rounding import arguments as _arguments
+from ..numerics.stream import mix as _mix
 
 # float dtype -> (exponent bits, mantissa bits)
 _LAYOUT = {np.dtype(np.float16): (5, 10), np.dtype(ml_dtypes.bfloat16): (8, 7),
@@ -92,42 +92,6 @@ def _key(seed) -> tuple[jax.Array, jax.Array]:
 def _check_size(x, mode) -> None:
     if mode == _STOCHASTIC and x.size >= 1 << 32:
         raise PolyampError(f"stochastic rounding on JAX takes at most 2^32 - 1 elements, got {x.size}")
-
-
-def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
-                    rounding: str = "nearest", seed: int | None = None):  # fmt: skip
-    """``polyamp.quantize_blocks`` for a JAX array: same values and bits, float32 unless x is float64."""
-    bf, mode, seed, rule = _blocks.arguments(fmt, scale_rule, rounding, seed)
-    x = _input(x, "quantize_blocks")
-    _check_size(x, mode)
-    shape = _blocks._block_shape(bf, block)
-    axes = _blocks._axes(axis, x.ndim, len(shape))
-    return blocks_keyed(x, _key(seed), bf, axes, shape, rule, mode)
-
-
-def blocks_keyed(x, key, bf, axes, shape, rule, mode, order=None):
-    """``quantize_blocks``' values (arguments checked) with the stream's key in place of the seed; with
-    ``order``, stochastic rounding indexes elements by their position in ``x.transpose(order)``. NVFP4 of
-    float32 or narrower input takes the float64 route (``blocks64.py``), float64 input the integer one."""
-    from . import blocks64  # it builds on this module
-
-    mx = bf.scale.name == "e8m0fnu"
-    code = _blocks.SCALE_RULES.index(rule) if mx else 0
-    if mode != _STOCHASTIC:  # only the stream's indices depend on the order: one compilation for both
-        order = None
-    if x.dtype != jnp.float64:
-        with jax.enable_x64(True):  # scoped: float64 and uint64 for this call only
-            return blocks64.values_jit(x, key, bf=bf, rule=code, axes=axes, shape=shape,
-                                       stochastic=mode == _STOCHASTIC, order=order)  # fmt: skip
-    if order is not None:  # the integer route indexes x's own layout: quantize the transposed copy
-        back = tuple(np.argsort(order))
-        moved = tuple(order.index(a) for a in axes)
-        return jnp.transpose(blocks_keyed(jnp.transpose(x, order), key, bf, moved, shape, rule, mode), back)
-    # the element grid and the scale rule are traced, so one compilation serves every MX format
-    elem = _Grid.of(bf.element, True).arrays()
-    return _blocks_values(
-        x, key, elem, np.int32(code), bf=None if mx else bf, axes=axes, shape=shape, mode=mode
-    )
 
 
 @functools.partial(jax.jit, static_argnames=("bf", "axes", "shape", "mode"))
@@ -460,4 +424,4 @@ def _input(x, name: str):
     return x
 
 
-__all__ = ["accepts", "quantize", "quantize_blocks"]
+__all__ = ["accepts", "quantize"]

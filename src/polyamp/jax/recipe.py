@@ -54,91 +54,17 @@ from jax import lax
 from jax.extend import core as jcore
 
 from ..errors import PolyampError
-from ..numerics import blocks as _core_blocks
-from ..numerics import get_format
-from ..numerics import hadamard as _hadamard
-from ..numerics.rounding import _MODE
+from ..numerics.hadamard import hadamard_tiles
 from ..recipe_layers import RecipeLayers
 from ..recipes import Recipe, recipe_spec
-from .quantize import _Grid, _key, _quantize, blocks_keyed
-from .recipe_state import OPERANDS, Run, active, calls_per_matmul, keeps_state, scale_from_amax, seed_key
+from .recipe_conv import conv
+from .recipe_operands import amax_of, quantize, refuse_gradient
+from .recipe_state import OPERANDS, Run, active, calls_per_matmul, keeps_state, seed_key
 from .scopes import layer_of, name_scopes
 
-_FLOAT8 = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 _F32 = jnp.float32
 
 
-def current_scale(amax, fmt: str, margin: int = 0, eps: float = 0.0):
-    """``polyamp.recipes.current_scale`` of a float32 amax, as JAX ops (no host read)."""
-    return scale_from_amax(amax, fmt, margin, eps, 1.0)
-
-
-def tensorwise(x, fmt: str, margin: int = 0, eps: float = 0.0, scale=None, rounding: str = "nearest",
-               key=None):  # fmt: skip
-    """``recipes.quantize_tensorwise(x, fmt, scale, rounding, seed)``, float32; ``scale`` defaults to
-    ``current_scale(amax(x))``, ``key`` is the seed's stream key (``recipe_state.seed_key``)."""
-    x32 = x.astype(_F32)
-    if scale is None:
-        scale = current_scale(_amax(x32), fmt, margin, eps)
-    y = x32 * scale
-    if rounding == "nearest":
-        fmax = float(get_format(fmt).max)
-        q = jnp.clip(y, -fmax, fmax).astype(_FLOAT8[fmt]).astype(_F32)
-    else:
-        q = _quantize(y, key, _Grid.of(get_format(fmt), True).arrays(), mode=_MODE[rounding], dtype="float32")
-    # XLA rewrites a division by a broadcast scalar as a product with its reciprocal (off by an ulp):
-    # dividing by a materialised array keeps the correctly rounded quotient the core has
-    return q / lax.optimization_barrier(jnp.broadcast_to(scale, q.shape))
-
-
-def _amax(x32):
-    return jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
-
-
-def quantize(x, recipe: Recipe, operand: str, axis: int, scale=None, key=None, transposed: bool = False):
-    """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"), blocks
-    along ``axis`` (NVFP4 weights: 16x16 tiles); float32. ``scale``: a delayed recipe's scale; ``key``:
-    the stream key of stochastic rounding's seed (without it the recipe must round to nearest);
-    ``transposed``: ``x`` (2-d) stands for ``x^T`` blocked along its last axis, so blocks run along
-    ``x``'s axis 0 and stochastic rounding indexes ``x^T``'s elements (``quantize(x.T, ...).T``, without
-    the transposed copies)."""
-    grad = operand == "grad"
-    fmt = recipe.backward_format if grad else recipe.forward_format
-    rounding = recipe.grad_rounding if grad else recipe.forward_rounding
-    if recipe.kind != "block" and transposed:
-        return tensorwise(x.T, fmt, recipe.margin, recipe.amax_epsilon, scale, rounding, key).T
-    if recipe.kind != "block":
-        return tensorwise(x, fmt, recipe.margin, recipe.amax_epsilon, scale, rounding, key)
-    block = (16, 16) if recipe.weight_2d and operand == "weight" else None
-    axis = (-2, -1) if block else 0 if transposed else axis
-    if key is None:
-        rounding, key = "nearest", _key(0)
-    bf, mode, _, rule = _core_blocks.arguments(fmt, recipe.scale_rule, rounding, 0)
-    shape = _core_blocks._block_shape(bf, block)
-    axes = _core_blocks._axes(axis, x.ndim, len(shape))
-    return blocks_keyed(x.astype(_F32), key, bf, axes, shape, rule, mode, (1, 0) if transposed else None)
-
-
-def hadamard_tiles(x, axis: int = -1):
-    """``polyamp.numerics.hadamard_tiles`` as JAX ops: ``x`` (float32) zero padded along ``axis`` to a
-    multiple of 16, each tile times ``SIGNS``, the four butterfly stages ``h = 1, 2, 4, 8`` in float32,
-    then ``* 0.25``; the same elementwise float32 operations in the same order, so the same bits. The
-    tiles are split in place (no axis moves: a transposed copy of a large operand costs more than the
-    butterfly)."""
-    v = x.astype(_F32)
-    axis = axis % v.ndim
-    n, lead, rest = v.shape[axis], v.shape[:axis], v.shape[axis + 1 :]
-    v = jnp.pad(v, [(0, 0)] * axis + [(0, -n % _hadamard.TILE)] + [(0, 0)] * len(rest))
-    tiles = v.shape[axis] // _hadamard.TILE
-    t = v.reshape(*lead, tiles, _hadamard.TILE, *rest) * _hadamard.SIGNS.reshape(-1, *[1] * len(rest))
-    for h in _hadamard.STAGES:
-        pairs = t.reshape(*lead, tiles, _hadamard.TILE // (2 * h), 2, h, *rest)
-        a, b = (lax.index_in_dim(pairs, i, axis + 2, keepdims=False) for i in (0, 1))
-        t = jnp.stack([a + b, a - b], axis=axis + 2)
-    return (t * np.float32(0.25)).reshape(v.shape)
-
-
-# structural ops through which a weight stays a weight (its cast, transpose or reshape)
 _CARRY = frozenset({"convert_element_type", "transpose", "reshape", "copy", "squeeze", "expand_dims",
                     "reduce_precision"})  # fmt: skip
 # the primitives of the bodies a stateful recipe cannot reach, as the user wrote them
@@ -279,8 +205,6 @@ def quantized(interpreter, eqn, invals, scope) -> list | None:
     if path in interpreter.recipe_kept:
         return None
     if eqn.primitive.name == "conv_general_dilated":
-        from .recipe_conv import conv  # it builds on this module
-
         def gemms(*args, **kwargs):
             return conv(*args[:4], eqn.params, *args[4:], **kwargs)
 
@@ -349,7 +273,7 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
         xq = quantize(x, recipe, "input", -1, sx if delayed else None, kx) if fq else x
         # torch's layout: its weight is w^T [N, K], blocked along K (its elements index a random stream)
         wq = quantize(w, recipe, "weight", -1, sw if delayed else None, kw, transposed=True) if fq else w
-        amaxes = (_amax(x.astype(_F32)), _amax(w.astype(_F32))) if delayed else ()
+        amaxes = (amax_of(x.astype(_F32)), amax_of(w.astype(_F32))) if delayed else ()
         return matmul(xq, wq).astype(output), (x, w, xq, wq, sg, calls, amaxes)
 
     def backward(res, g):
@@ -380,22 +304,12 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
         dw = matmul(x_op.T, g_op).astype(w.dtype)
         if run is None:
             return dx, dw
-        d_scales = (*amaxes, _amax(g2.astype(_F32))) if delayed else (jnp.float32(0),) * 3
+        d_scales = (*amaxes, amax_of(g2.astype(_F32))) if delayed else (jnp.float32(0),) * 3
         return (dx, dw, *d_scales, None)
 
     fn = jax.custom_vjp(lambda *args: forward(*args)[0])
     fn.defvjp(forward, backward)
     return fn
-
-
-def refuse_gradient(recipe: Recipe):
-    """The error of a stateful recipe's gradient taken outside ``mp.value_and_grad``'s step."""
-    raise PolyampError(
-        f"the {recipe.name!r} recipe keeps state between steps (amax histories, a stochastic-"
-        "rounding counter): take its gradients with mp.value_and_grad(f)(..., state=state) (or "
-        "mp.grad), state = mp.init(), which threads that state through the step; outside it the "
-        "autocast function only evaluates (current scaling, nearest rounding)"
-    )
 
 
 def kept_layers(jaxpr, keep: tuple[str, ...], weights=None) -> set[str]:

@@ -13,7 +13,7 @@ operand is blocked along a dimension its GEMM sums over (``polyamp/recipes.py``;
 as microxcaling's do. NVFP4's 16x16 weight blocks tile ``(rhs_spec[0], rhs_spec[1])`` (output, input
 channels) at each kernel position and serve the forward and input-gradient GEMMs; with
 ``hadamard=True`` ``x`` and ``g`` are first multiplied by the random Hadamard matrix in tiles of 16
-along the batch axis (:func:`~polyamp.jax.recipe.hadamard_tiles`, zero padded): ``dW = sum_n
+along the batch axis (:func:`polyamp.numerics.hadamard_tiles`, zero padded): ``dW = sum_n
 conv_W^T(g_n; x_n)`` and ``H^T H = I``, so only the quantization error changes. Per-tensor recipes
 quantize ``x``, ``W`` and ``g`` once each, as for a dense matmul.
 
@@ -35,9 +35,11 @@ from jax import lax
 from jax.extend import core as jcore
 
 from ..numerics import blocks as _core_blocks
+from ..numerics.hadamard import hadamard_tiles
 from ..recipes import Recipe
-from .quantize import _key, blocks_keyed
-from .recipe import _amax, hadamard_tiles, refuse_gradient, tensorwise
+from .blocks64 import blocks_keyed
+from .quantize import _key
+from .recipe_operands import amax_of, refuse_gradient, tensorwise
 from .recipe_state import Run, calls_per_matmul, seed_key
 
 _F32 = jnp.float32
@@ -93,7 +95,7 @@ def conv(recipe: Recipe, compute, output, preferred, params, run: Run | None = N
         kx, kw = keys(calls, False, 2)
         xq = quantize_along(x, recipe, "input", (lhs[1],), sx if delayed else None, kx) if fq else x
         wq = quantize_along(w, recipe, "weight", w_forward, sw if delayed else None, kw) if fq else w
-        amaxes = (_amax(x.astype(_F32)), _amax(w.astype(_F32))) if delayed else ()
+        amaxes = (amax_of(x.astype(_F32)), amax_of(w.astype(_F32))) if delayed else ()
         y = convolve(xq.astype(compute), wq.astype(compute), preferred)
         return y.astype(output), (x, w, xq, wq, sg, calls, amaxes)
 
@@ -125,7 +127,7 @@ def conv(recipe: Recipe, compute, output, preferred, params, run: Run | None = N
         dx, dw = dx.astype(x.dtype), dw.astype(w.dtype)
         if run is None:
             return dx, dw
-        d_scales = (*amaxes, _amax(g.astype(_F32))) if delayed else (jnp.float32(0),) * 3
+        d_scales = (*amaxes, amax_of(g.astype(_F32))) if delayed else (jnp.float32(0),) * 3
         return (dx, dw, *d_scales, None)
 
     fn = jax.custom_vjp(lambda *args: forward(*args)[0])

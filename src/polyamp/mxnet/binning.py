@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram, bin_index
+from ..doctor import binning as core
+from ..doctor import binning_host as host
+from ..doctor.histogram import N_BINS, SUB, LogHistogram
 from ..errors import PolyampError
 from .keep import dtype_name
 from .ops import autograd, mx
@@ -19,7 +20,7 @@ from .ops import autograd, mx
 _npi = mx.nd.numpy._internal  # MXNet 1.9's numpy-interface ops: bincount, bitwise_and
 
 _LOG_SUB = SUB.bit_length() - 1  # SUB is a power of two
-_RATIO_OFFSET = 1 - SUB * B_MIN  # spec index of a ratio = K(u) - SUB * E(w) + this (E biased, K = SUB*E + k)
+_RATIO_OFFSET = core.RATIO_OFFSET  # ratio index = K(u) - SUB * E(w) + this (E biased, K = SUB*E + k)
 # a prototype of our own: setting argtypes on ctypes.pythonapi's shared function object would change it
 # for MXNet's DLPack deleter too (it passes the capsule as a void pointer)
 _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
@@ -27,40 +28,10 @@ _capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c
 )
 _MANAGED = ctypes.POINTER(mx.nd.ndarray.DLManagedTensor)
 _HOST_DEVICES = frozenset({"cpu", "cpu_pinned", "cpu_shared"})  # contexts whose arrays are host memory
-_MASK, _INF, _NORMAL, _ONE = 0x7FFFFFFF, 0x7F800000, 0x00800000, 0x3F800000  # float32 bit patterns
-_CHUNK = 1 << 16  # elements per numpy pass: its work buffers stay in the core's cache
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """A float width: its dtype, int view and the key arithmetic of the module docstring."""
-
-    dtype: str
-    mant: int
-    bias: int
-
-    @property
-    def shift(self) -> int:  # bits >> shift = SUB * biased exponent + k
-        return self.mant - _LOG_SUB
-
-    @property
-    def normal(self) -> int:  # bits of the smallest normal
-        return 1 << self.mant
-
-    @property
-    def inf(self) -> int:  # bits of inf (and the lowest NaN's)
-        return (2 * self.bias + 1) << self.mant
-
-    @property
-    def keys(self) -> int:
-        return (2 * self.bias + 2) * SUB
-
-    @property
-    def offset(self) -> int:  # spec index - key, for a normal float
-        return 1 - SUB * (self.bias + B_MIN)
-
-
-_F32, _F64 = _Spec("float32", 23, 127), _Spec("float64", 52, 1023)
+_Spec = core.Width
+_F32, _F64 = core.F32, core.F64
 
 
 def _host_array(size: int, dtype, lane: int, zeros: bool = False) -> np.ndarray:
@@ -76,7 +47,6 @@ def _host_array(size: int, dtype, lane: int, zeros: bool = False) -> np.ndarray:
     if zeros:
         out.fill(0)
     return out
-
 
 
 # -- binning in MXNet -----------------------------------------------------------------------------
@@ -119,10 +89,11 @@ class _Scratch:
         return flat.view(np.int32)
 
     def host(self, slot: str, dtype, size: int) -> np.ndarray:
-        """A numpy work buffer of ``size`` (at most ``_CHUNK``) elements, each slot in a lane of its own."""
+        """A numpy work buffer of ``size`` (at most ``binning_host.CHUNK``) elements, each slot in a lane
+        of its own."""
         key = ("host", slot, np.dtype(dtype))
         if key not in self._bufs:
-            self._bufs[key] = _host_array(_CHUNK, dtype, lane=len(self._bufs))
+            self._bufs[key] = _host_array(host.CHUNK, dtype, lane=len(self._bufs))
         return self._bufs[key][:size]
 
 
@@ -135,7 +106,7 @@ def _spec(dtype) -> _Spec:
 
 def _flat(x, spec: _Spec):
     x = x.reshape((-1,))
-    return x if dtype_name(x.dtype) == spec.dtype else x.astype(spec.dtype)
+    return x if dtype_name(x.dtype) == _dtype(spec) else x.astype(_dtype(spec))
 
 
 def histogram(x, scratch: _Scratch | None = None) -> LogHistogram:
@@ -149,9 +120,9 @@ def histogram(x, scratch: _Scratch | None = None) -> LogHistogram:
     if name in _HOST_BITS:
         with _host_view(x, _HOST_BITS[name]) as view:
             if view is not None:
-                return _host_hist(view, name, scratch)
+                return host.histogram(view, name, scratch.host)
         if name == "float32" and _in_numpy(x):  # a layout without a view: MKL-DNN's
-            return _host_hist(scratch.magnitudes(x), name, scratch)
+            return host.histogram(scratch.magnitudes(x), name, scratch.host)
     with autograd.pause():
         x = _flat(x, spec)
         if spec is not _F32:
@@ -213,125 +184,16 @@ def _in_numpy(x) -> bool:
             and np.dtype(x.dtype).names is None)  # fmt: skip
 
 
-def _magnitudes(chunk: np.ndarray, name: str, scratch: _Scratch) -> np.ndarray:
-    """The int32 bits of ``|chunk|`` in float32 (fp16 and bf16 widened exactly), in a work buffer."""
-    a = scratch.host("a", np.int32, chunk.size)
-    if name == "float32":
-        np.bitwise_and(chunk, _MASK, out=a)
-        return a
-    if name == "float16":
-        np.copyto(a.view(np.float32), chunk)
-    else:  # bfloat16: a float32's upper half
-        bits = a.view(np.uint32)
-        np.copyto(bits, chunk)
-        np.left_shift(bits, 16, out=bits)
-    np.bitwise_and(a, _MASK, out=a)
-    return a
-
-
-def _host_hist(view: np.ndarray, name: str, scratch: _Scratch, copy: np.ndarray | None = None):
-    """The histogram of a host array (``view``: its ``_HOST_BITS``), in chunks of ``_CHUNK``: for the
-    float32 magnitude bits ``a`` of each, ``a >> 19`` counted by ``bincount`` (the module docstring's
-    keys), ``a.min()`` and ``a.max()``. A chunk with inf/NaN takes its finite maximum from
-    ``(a - 0x7f800000) & 0x7fffffff``, which puts every finite ``a`` above them, 0x800000 higher; one
-    with zeros counts them and takes its non-zero minimum from ``(a - 1) & 0x7fffffff`` (zero wraps to
-    the largest); subnormals found there (rare) are binned by the core's ``bin_index``. With ``copy``
-    (of ``view``'s shape and dtype), each chunk is first copied there and binned from there."""
-    keys = np.zeros(_F32.keys, np.int64)
-    subnormal = np.zeros(N_BINS, np.int64)
-    zeros, lo, hi = 0, _INF, -1  # lo: the least non-zero a (_INF: none); hi: the largest finite a (-1: none)
-    for start in range(0, view.size, _CHUNK):
-        chunk = view[start : start + _CHUNK]
-        if copy is not None:
-            chunk = copy[start : start + _CHUNK]
-            np.copyto(chunk, view[start : start + _CHUNK])
-        a = _magnitudes(chunk, name, scratch)
-        k = scratch.host("k", np.intp, a.size)
-        np.right_shift(a, _F32.shift, out=k)
-        keys += np.bincount(k, minlength=_F32.keys)
-        least, most = int(a.min()), int(a.max())
-        if most >= _INF:
-            np.subtract(a, _INF, out=a)
-            np.bitwise_and(a, _MASK, out=a)
-            most = int(a.max()) - _NORMAL  # negative: no finite element
-            if least < _NORMAL:
-                a = _magnitudes(chunk, name, scratch)
-        if least < _NORMAL:
-            nonzero = np.count_nonzero(a)
-            zeros += a.size - nonzero
-            least = _INF
-            if nonzero:
-                np.subtract(a, 1, out=a)
-                np.bitwise_and(a, _MASK, out=a)
-                least = int(a.min()) + 1
-                if least < _NORMAL:
-                    tiny = (a[a < _NORMAL - 1] + 1).view(np.float32)
-                    subnormal += np.bincount(bin_index(tiny), minlength=N_BINS)
-        lo, hi = min(lo, least), max(hi, most)
-    top = _F32.inf >> _F32.shift
-    return LogHistogram.from_counts(
-        _spec_counts(keys, _F32) + subnormal,
-        zeros=zeros,
-        nonfinite=int(keys[top:].sum()),
-        amax=_float(hi, _F32) if hi > 0 else 0.0,
-        amin_nonzero=_float(lo, _F32) if lo < _INF else None,
-    )
-
-
 def _host_update(weight, before, before_hist: LogHistogram, scratch: _Scratch):
-    """``_update``'s float32 fast path on host memory (``before``: the weight's values before the step,
-    an NDArray or a flat numpy array), or None where it does not apply (the caller goes on). In
-    chunks: ``u = after - before``, ``a = bits(u) & 0x7fffffff``, the ratio bits ``a - (bits(w) &
-    0x7f800000) + 0x3f800000``, set to 0 where ``u`` or ``w`` is zero (key 0; every other ratio is
-    normal), counted as in ``_host_hist``."""
-    if before_hist.nonfinite or (before_hist.amin_nonzero or 1.0) < 2.0**-102:
+    """``_update``'s float32 fast path on host memory (``binning_host.update``; ``before``: the weight's
+    values before the step, an NDArray or a flat numpy array), or None where it does not apply (the
+    caller goes on)."""
+    if not host.update_fits(before_hist):
         return None
-    floor = _bits_of(before_hist.amin_nonzero) >> _F32.mant if before_hist.amin_nonzero else 0
-    keys = np.zeros(_F32.keys, np.int64)
-    lo, hi = _INF, -1
     with _host_view(weight, np.float32) as after, _host_values(before) as before:
         if after is None or before is None:
             return None
-        for start in range(0, after.size, _CHUNK):
-            w = before[start : start + _CHUNK].view(np.int32)
-            u = scratch.host("u", np.float32, w.size)
-            np.subtract(after[start : start + _CHUNK], w.view(np.float32), out=u)
-            a = u.view(np.int32)
-            np.bitwise_and(a, _MASK, out=a)
-            most = int(a.max())
-            if most >= _INF or (floor and (most >> _F32.mant) - floor > 127):  # a ratio of 2^128 or more
-                return None
-            r = scratch.host("r", np.int32, w.size)
-            np.bitwise_and(w, _INF, out=r)  # 2^b(w); 0 for w == 0 (no w is subnormal here)
-            masks = []
-            if before_hist.zeros:
-                masks.append(np.equal(r, 0, out=scratch.host("w0", np.bool_, w.size)))
-            np.subtract(a, r, out=r)
-            np.add(r, _ONE, out=r)
-            if int(a.min()) == 0:
-                masks.append(np.equal(a, 0, out=scratch.host("u0", np.bool_, w.size)))
-            for mask in masks:
-                np.copyto(r, 0, where=mask)
-            k = scratch.host("k", np.intp, w.size)
-            np.right_shift(r, _F32.shift, out=k)
-            keys += np.bincount(k, minlength=_F32.keys)
-            hi = max(hi, int(r.max()))
-            if masks:  # the zeros set wrap to the largest
-                np.subtract(r, 1, out=r)
-                np.bitwise_and(r, _MASK, out=r)
-                lo = min(lo, int(r.min()) + 1)
-            else:
-                lo = min(lo, int(r.min()))
-    special = int(keys[:SUB].sum())
-    regular = before.size - special
-    return LogHistogram.from_counts(
-        _spec_counts(keys, _F32),
-        zeros=special - before_hist.zeros,
-        nonfinite=0,
-        amax=_float(hi, _F32) if regular else 0.0,
-        amin_nonzero=_float(lo, _F32) if regular else None,
-        apart=before_hist.zeros,
-    )
+        return host.update(after, before, before_hist, scratch.host)
 
 
 @contextlib.contextmanager
@@ -342,10 +204,6 @@ def _host_values(x):
     else:
         with _host_view(x, np.float32) as view:
             yield view
-
-
-def _bits_of(x: float) -> int:
-    return int(np.array(x, np.float32).view(np.int32))
 
 
 def _keys(ia, spec: _Spec) -> np.ndarray:
@@ -373,24 +231,16 @@ def _host(*arrays) -> list:
     return mx.nd.concat(*arrays, dim=0).asnumpy().tolist()
 
 
+def _dtype(spec: _Spec) -> str:
+    return f"float{spec.bits}"
+
+
 def _float(bits: int, spec: _Spec) -> float:
-    return float(np.array(bits, "int" + spec.dtype[5:]).view(spec.dtype))
+    return core.float_of(bits, spec)
 
 
 def _empty(zeros: int = 0) -> LogHistogram:
     return LogHistogram.from_counts(np.zeros(N_BINS, np.int64), zeros, 0, 0.0)
-
-
-def _spec_counts(keys: np.ndarray, spec: _Spec) -> np.ndarray:
-    """The spec's counts of the normal floats among the key counts ``keys``."""
-    top = spec.inf >> spec.shift
-    first, last = SUB + spec.offset, top - 1 + spec.offset
-    if first >= 0 and last < N_BINS:  # float32: each normal key is a bin of its own
-        counts = np.zeros(N_BINS, np.int64)
-        counts[first : last + 1] = keys[SUB:top]
-        return counts
-    index = np.clip(np.arange(SUB, top) + spec.offset, 0, N_BINS - 1)
-    return np.bincount(index, weights=keys[SUB:top], minlength=N_BINS).astype(np.int64)  # exact below 2^53
 
 
 def _hist(a, spec: _Spec, scratch: _Scratch | None) -> LogHistogram:
@@ -406,7 +256,7 @@ def _hist(a, spec: _Spec, scratch: _Scratch | None) -> LogHistogram:
         if hi < lo:  # nothing but zeros
             return _empty(zeros=low)
         if not low or lo >= 2.0**-126:  # no subnormal (a NaN from quantize_v2 fails: the general path)
-            counts = _spec_counts(keys, spec)
+            counts = core.normal_counts(keys, spec)
             return LogHistogram.from_counts(counts, low, 0, amax=hi, amin_nonzero=lo)
     hi = ia.max() if not nonfinite else (ia * (ia < spec.inf)).max()
     hi, lo = _host(hi, ia.min() if not low else _min_nonzero(ia, spec))
@@ -415,7 +265,7 @@ def _hist(a, spec: _Spec, scratch: _Scratch | None) -> LogHistogram:
         if spec is _F32:
             return _hist(a.astype("float64"), _F64, None)
         zeros = int(_host((ia == 0).sum())[0])
-    counts = _spec_counts(keys, spec)
+    counts = core.normal_counts(keys, spec)
     counts[0] += low - zeros
     return LogHistogram.from_counts(
         counts,
@@ -481,7 +331,7 @@ def _update(weight, before, before_hist: LogHistogram, scratch: _Scratch) -> Log
     special = int(keys[spec.inf >> spec.shift :].sum())
     regular = rb.size - special
     return LogHistogram.from_counts(
-        _spec_counts(keys, spec),
+        core.normal_counts(keys, spec),
         zeros=special - before_hist.zeros,
         nonfinite=0,
         amax=hi if regular else 0.0,

@@ -44,7 +44,7 @@ Binning (``histogram``): which path runs where.
   the call (``_Scratch``); only the counts and a few scalars reach the host.
 Both read the float32 bits ``a`` of ``|x|``: for a normal float ``a >> 19`` is ``SUB * biased exponent +
 k``, the spec's index less a constant; the low keys are zeros and subnormals, the top ones inf/NaN.
-numpy (``_host_hist``) takes chunks of ``_CHUNK`` elements, whose work buffers stay in cache:
+numpy (``doctor/binning_host.py``) takes chunks of ``CHUNK`` elements, whose work buffers stay in cache:
 ``bincount(a >> 19)``, ``a.min()`` and ``a.max()``; in a chunk with zeros or inf/NaN the extremes
 come from ``(a - 1) & 0x7fffffff`` and ``(a - 0x7f800000) & 0x7fffffff``, its subnormals (rare) from
 the core's ``bin_index``. MXNet has no bitcast: its int view of a float array is the DLPack capsule
@@ -70,6 +70,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ..doctor import binning_host as host
 from ..doctor import blocks as _blocks
 from ..doctor.histogram import LogHistogram
 from ..doctor.recommend import KINDS, Observation
@@ -80,7 +81,6 @@ from ..frameworks import detect
 from .binning import (
     _WIDTHS,
     _host_array,
-    _host_hist,
     _host_view,
     _in_numpy,
     _Scratch,
@@ -266,7 +266,7 @@ def _save_binned(x, scratch: _Scratch, into=None, lane: int = 0) -> tuple:
         with _host_view(x, np.int32) as view:
             if view is not None:
                 out = _host_array(x.size, np.float32, lane) if into is None else into  # flat, as _save's
-                return out, _host_hist(view, "float32", scratch, copy=out.view(np.int32))
+                return out, host.histogram(view, "float32", scratch.host, copy=out.view(np.int32))
     return _save(x, into, lane), histogram(x, scratch)
 
 

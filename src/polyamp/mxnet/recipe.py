@@ -14,7 +14,7 @@ leaves in runs its FullyConnected as three quantized GEMMs (an ``mx.autograd.Fun
 transposed tensors blocked along their last axis for block formats (the other GEMM axis), and the
 forward casts themselves for per-tensor scaling and NVFP4's 16x16 weight blocks; with ``hadamard=True``
 ``g^T`` and ``x^T`` are first multiplied by NVFP4's random Hadamard matrix in tiles of 16 along M
-(``hadamard.py``). A GEMM the recipe
+(``polyamp.numerics.hadamard``). A GEMM the recipe
 leaves unquantized takes its operands as they are. The products are FullyConnected on operands cast
 to the compute dtype: bfloat16 (MXNet's CPU FullyConnected computes in bf16 through oneDNN and returns
 bf16, as torch's bf16 matmul does) or float32; they call MXNet's own operator, which contrib.amp does
@@ -32,7 +32,7 @@ parameter is left unquantized (``unsupported`` in ``mp.recipe_layers``); ``x`` e
 float32 copies (transposing a bfloat16 NDArray corrupts the heap). With ``fp8-delayed`` the net runs on
 one context (one history per layer, not per device).
 
-Quantization is ``polyamp.mxnet.quantize``, bit-identical to the numpy core: tensorwise with the
+Quantization is ``recipe_operands.Quantizer``, bit-identical to the numpy core: tensorwise with the
 scale ``current_scale(amax)``; delayed with the scale of the layer's ``DelayedScaling`` for that
 operand, updated with this call's amax after the cast (TE's order; the histories and the
 stochastic-rounding counter are in ``mp.state_dict()``); blocks with ``quantize_blocks``, stochastic
@@ -48,82 +48,29 @@ import warnings
 import numpy as np
 
 from ..errors import PolyampError, UnsupportedError
-from ..quantizer_state import QuantizerState
+from ..numerics.hadamard import hadamard_tiles
 from ..recipe_layers import RecipeLayers
 from ..recipes import recipe_spec
 from . import recipe_graph as graph
-from .hadamard import hadamard_tiles
 from .keep import _ORIGINAL_OPS, blocks, dtype_name
-from .quantize import amax, current_scale, quantize_blocks, quantize_tensorwise
+from .recipe_conv import RecipeConv, conv_unsupported, is_conv
+from .recipe_operands import SEVERAL_CONTEXTS, Quantizer, cast, like, restore_forward
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
     warnings.simplefilter("ignore", DeprecationWarning)
     import mxnet as mx
     from mxnet import gluon
-    from mxnet.contrib import amp
 
 
 # MXNet's own FullyConnected: contrib.amp's would cast the operands to its dtype
 _FC = (_ORIGINAL_OPS or {}).get("mxnet.ndarray", {}).get("FullyConnected", mx.nd.FullyConnected)
 
 
-class Quantizer(QuantizerState):
-    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps
-    (``QuantizerState``: delayed scaling per (layer, operand), the stochastic-rounding counter)."""
-
-    def __init__(self, recipe):
-        super().__init__(recipe)
-        self.context = None  # delayed scaling: the one context its calls run on
-
-    def __call__(self, x, layer: str, operand: str, axis: int = -1):
-        """``x`` (an NDArray) quantized and dequantized as the recipe's ``operand`` ("input", "weight",
-        "grad"), blocked along ``axis``; a float32 NDArray."""
-        r = self.recipe
-        if r.kind == "delayed":
-            self.context = self.context or str(x.context)
-            if str(x.context) != self.context:
-                raise UnsupportedError(_SEVERAL_CONTEXTS.format(f"{self.context} and {x.context}"))
-        grad = operand == "grad"
-        fmt = r.backward_format if grad else r.forward_format
-        rounding = r.grad_rounding if grad else r.forward_rounding
-        self.calls += 1
-        seed = self.calls if rounding == "stochastic" else None
-        if r.kind == "block":
-            block = (16, 16) if (r.weight_2d and operand == "weight") else None
-            axis = (-2, -1) if block else axis
-            return quantize_blocks(x, fmt, axis=axis, block=block, scale_rule=r.scale_rule, rounding=rounding,
-                                   seed=seed)  # fmt: skip
-        a = amax(x)
-        if r.kind == "delayed":  # the scale from the history, then this amax into it (a host read)
-            ds = self.history(layer, operand)
-            out = quantize_tensorwise(x, fmt, float(ds.scale), rounding, seed)
-            ds.update(float(a.asnumpy()[0]))
-            return out
-        return quantize_tensorwise(x, fmt, current_scale(a, fmt, r.margin, r.amax_epsilon), rounding, seed)
-
-
-def _cast(x, compute: str):
-    """``x`` (an NDArray) in the compute dtype."""
-    return _like(x.as_nd_ndarray(), "bfloat16" if compute == "bf16" else "float32")
-
-
 def _gemm(a, b_t, compute: str, bias=None):
     """``a @ b_t^T (+ bias)``: MXNet's own FullyConnected (not contrib.amp's) in the compute dtype; an
     NDArray of that dtype."""
-    args = (_cast(a, compute), _cast(b_t, compute)) + (() if bias is None else (_cast(bias, compute),))
+    args = (cast(a, compute), cast(b_t, compute)) + (() if bias is None else (cast(bias, compute),))
     return _FC(*args, no_bias=bias is None, num_hidden=b_t.shape[0], flatten=True)
-
-
-def _like(x, dtype: str):
-    """An NDArray in ``dtype`` (the input's or parameter's)."""
-    have = dtype_name(x.dtype)
-    if have == dtype:
-        return x
-    if have == "float64":
-        x, have = x.astype("float32"), "float32"
-    if "bfloat16" in (have, dtype) or "float16" in (have, dtype):
-        return mx.nd.amp_cast(x, dtype=amp.amp.bfloat16 if dtype == "bfloat16" else dtype)
-    return x.astype(dtype)
 
 
 class QuantizedDense(mx.autograd.Function):
@@ -146,7 +93,7 @@ class QuantizedDense(mx.autograd.Function):
         x, weight, xq, wq = self.saved_tensors
         x_dtype, w_dtype, has_bias = self.dtypes
         # float32 (exact for bf16): MXNet 1.9's transpose of a bfloat16 NDArray corrupts the heap
-        grad, x = _like(grad, "float32"), _like(x, "float32")
+        grad, x = like(grad, "float32"), like(x, "float32")
         q, r, layer, compute = self.quantizer, self.quantizer.recipe, self.layer, self.compute
         block = r.kind == "block"
         wanted = (r.quantize_input_grad, r.quantize_weight_grad)
@@ -165,10 +112,10 @@ class QuantizedDense(mx.autograd.Function):
             gt = q(gt, layer, "grad", axis=-1) if block else once.T
             xt = q(xt, layer, "input", axis=-1) if block else xq.T
         dw = _gemm(gt, xt, compute)
-        out = [_like(dw, w_dtype)]
+        out = [like(dw, w_dtype)]
         if has_bias:
-            out.append(_like(mx.nd.sum(grad, axis=0), w_dtype))
-        return (*out, _like(dx, x_dtype))
+            out.append(like(mx.nd.sum(grad, axis=0), w_dtype))
+        return (*out, like(dx, x_dtype))
 
 
 class RecipeDense:
@@ -198,7 +145,7 @@ class RecipeDense:
             lead = x.shape[:1] if block._flatten else x.shape[:-1]
             flat = x.ndim != 2  # reshape only when needed
             x2 = x.reshape((lead[0], -1) if block._flatten else (-1, weight.shape[1])) if flat else x
-            x2 = _like(x2, "float32")  # a float32 gradient buffer (MXNet copies a bf16 one wrongly under amp)
+            x2 = like(x2, "float32")  # a float32 gradient buffer (MXNet copies a bf16 one wrongly under amp)
             y = QuantizedDense(quantizer, name, compute)(
                 *((weight, x2) if bias is None else (weight, bias, x2))
             )
@@ -213,13 +160,7 @@ class RecipeDense:
         if getattr(vars(self.block).get("hybrid_forward"), "recipe_of", False) is self._own:
             self.restore(self.block, self._own)
 
-    @staticmethod
-    def restore(block, own) -> None:
-        """Put back the ``hybrid_forward`` a recipe replaced (``own``: an instance attribute, or None)."""
-        if own is None:
-            vars(block).pop("hybrid_forward", None)
-        else:
-            vars(block)["hybrid_forward"] = own
+    restore = staticmethod(restore_forward)
 
 
 def clear_graphs(model) -> None:
@@ -239,13 +180,6 @@ def unwind(model) -> None:
             RecipeDense.restore(block, previous.recipe_of)
 
 
-_SEVERAL_CONTEXTS = (
-    "fp8-delayed keeps one amax history per layer, and the net runs on several contexts ({}): each "
-    "device's copy of a layer would update it in turn. Train delayed scaling on one context, or use "
-    "fp8-tensorwise (each call scales by its own amax)"
-)
-
-
 def _check_one_context(model) -> None:
     """UnsupportedError when the net's parameters live on several contexts: each device's copy of a layer
     would enter the layer's one amax history in turn, several updates a step (TE reduces the devices'
@@ -257,7 +191,7 @@ def _check_one_context(model) -> None:
         except (RuntimeError, mx.MXNetError):  # not initialized yet (deferred): its context is unknown
             pass
     if len(contexts) > 1:
-        raise UnsupportedError(_SEVERAL_CONTEXTS.format(", ".join(sorted(contexts))))
+        raise UnsupportedError(SEVERAL_CONTEXTS.format(", ".join(sorted(contexts))))
 
 
 def _unsupported_blocks() -> tuple:
@@ -275,8 +209,6 @@ def _unsupported_blocks() -> tuple:
 def unsupported(block) -> str | None:
     """Why a recipe cannot quantize this matmul block ("unsupported: <type>: <why>"); None when it can, or
     when the block is no matmul block."""
-    from .recipe_conv import conv_unsupported, is_conv  # it imports this module
-
     kind = type(block).__name__
     if isinstance(block, gluon.nn.Dense) or is_conv(block):
         why = conv_unsupported(block) if is_conv(block) else None
@@ -297,8 +229,6 @@ def matmul_blocks(model) -> list[tuple[str, object, str | None]]:
     ``Conv2D`` / ``Conv3D`` with trainable parameters) and (path, block, "unsupported: <type>: <why>") of
     every other matmul block, depth-first in child-name order; paths as ``keep.blocks`` names them (the
     model itself by its class name)."""
-    from .recipe_conv import is_conv  # it imports this module
-
     out = []
     for path, block in blocks(model):
         why = unsupported(block)
@@ -314,8 +244,6 @@ def watch(model, quantizer: Quantizer, compute: str, dry_run: bool = False) -> t
     blocks below it). Blocks kept in float32 by ``keep_fp32`` are left as they are. ``dry_run``: only
     check. Returns the RecipeDense / RecipeConv handles and the record of every matmul block (quantized,
     or kept with its reason) for ``mp.recipe_layers``."""
-    from .recipe_conv import RecipeConv, is_conv  # it imports this module
-
     if not isinstance(model, gluon.Block):
         raise PolyampError(
             f"expected a mxnet.gluon.Block, got {type(model).__module__}.{type(model).__name__}"

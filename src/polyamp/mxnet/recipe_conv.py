@@ -6,8 +6,8 @@ them (its module docstring, microxcaling's layout)::
     input grad   dx = conv_input(Qb(g), Qf'(W))     g along its channels (1), W along its output channels (0)
     weight grad  dW = conv_weight(Qf'(x), Qb'(g))   x and g along the batch axis (0)
 
-``Quantizer`` is ``recipe.py``'s, so delayed-scaling histories and the stochastic-rounding counter are
-shared with the Dense layers and kept per layer in ``mp.state_dict()``. Per-tensor recipes quantize each
+``Quantizer`` is ``recipe_operands.py``'s, so delayed-scaling histories and the stochastic-rounding counter
+are shared with the Dense layers and kept per layer in ``mp.state_dict()``. Per-tensor recipes quantize each
 operand once with one scale (``g`` once for both backward GEMMs), as ``QuantizedDense`` does. A
 block-format operand is transposed so that its blocked axis is last, quantized along it, and transposed
 back: stochastic rounding indexes the elements of that moved tensor in C order. NVFP4's weights are
@@ -31,10 +31,10 @@ from __future__ import annotations
 import functools
 import warnings
 
+from ..numerics.hadamard import hadamard_tiles
 from . import recipe_graph as graph
-from .hadamard import hadamard_tiles
 from .keep import _ORIGINAL_OPS, dtype_name
-from .recipe import Quantizer, _cast, _like
+from .recipe_operands import Quantizer, cast, like, restore_forward
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -63,7 +63,7 @@ def conv_unsupported(block) -> str | None:
 
 def _conv(x, w, compute: str, kwargs: dict, bias=None):
     """MXNet's own Convolution in the compute dtype; an NDArray of that dtype."""
-    args = (_cast(x, compute), _cast(w, compute)) + (() if bias is None else (_cast(bias, compute),))
+    args = (cast(x, compute), cast(w, compute)) + (() if bias is None else (cast(bias, compute),))
     return _CONV(*args, no_bias=bias is None, **kwargs)
 
 
@@ -84,8 +84,8 @@ def _conv_grads(x, w, head, compute: str, kwargs: dict, want_x: bool, want_w: bo
             leaf.attach_grad()
     with mx.autograd.record():
         y = _conv(*leaves, compute, kwargs)
-    y.backward(_cast(head, compute))
-    return tuple(_like(t.grad, "float32") if want else None for t, want in zip(leaves, (want_x, want_w)))
+    y.backward(cast(head, compute))
+    return tuple(like(t.grad, "float32") if want else None for t, want in zip(leaves, (want_x, want_w)))
 
 
 def along(q: Quantizer, t, layer: str, operand: str, axis: int):
@@ -108,14 +108,6 @@ def weight_forward(q: Quantizer, w, layer: str):
     return moved.transpose((nd - 2, nd - 1) + tuple(range(nd - 2)))
 
 
-def hadamard_batch(t):
-    """``t`` times NVFP4's Hadamard matrix in tiles of 16 along axis 0 (zero padded to a multiple of 16):
-    ``polyamp.numerics.hadamard_tiles(t, axis=0)``, float32."""
-    n, rest = t.shape[0], t.shape[1:]
-    h = hadamard_tiles(mx.nd.moveaxis(t, 0, -1).reshape((-1, n)))
-    return mx.nd.moveaxis(h.reshape(rest + (h.shape[1],)), -1, 0)
-
-
 class QuantizedConv(mx.autograd.Function):
     """Convolution with the recipe's three quantized GEMMs (module docstring)."""
 
@@ -126,7 +118,7 @@ class QuantizedConv(mx.autograd.Function):
     def forward(self, weight, *rest):
         bias, x = rest if len(rest) == 2 else (None, rest[0])
         q, r = self.quantizer, self.quantizer.recipe
-        w32 = _like(weight, "float32")  # to transpose (a bfloat16 transpose corrupts MXNet 1.9's heap)
+        w32 = like(weight, "float32")  # to transpose (a bfloat16 transpose corrupts MXNet 1.9's heap)
         xq = along(q, x, self.layer, "input", 1) if r.quantize_forward else x
         wq = weight_forward(q, w32, self.layer) if r.quantize_forward else w32
         self.save_for_backward(x, w32, xq, wq)
@@ -136,7 +128,7 @@ class QuantizedConv(mx.autograd.Function):
     def backward(self, grad):
         x, w32, xq, wq = self.saved_tensors
         x_dtype, w_dtype, has_bias = self.dtypes
-        grad, x = _like(grad, "float32"), _like(x, "float32")
+        grad, x = like(grad, "float32"), like(x, "float32")
         q, r, layer = self.quantizer, self.quantizer.recipe, self.layer
         block = r.kind == "block"
         wanted = (r.quantize_input_grad, r.quantize_weight_grad)
@@ -148,7 +140,7 @@ class QuantizedConv(mx.autograd.Function):
         g_dw, x_dw = grad, x
         if wanted[1]:  # both along the batch axis (the wgrad GEMM's K)
             if r.hadamard:
-                g_dw, x_dw = hadamard_batch(g_dw), hadamard_batch(x_dw)
+                g_dw, x_dw = hadamard_tiles(g_dw, 0), hadamard_tiles(x_dw, 0)
             g_dw = along(q, g_dw, layer, "grad", 0) if block else once
             x_dw = along(q, x_dw, layer, "input", 0) if block else xq
         args = self.compute, self.kwargs
@@ -157,10 +149,10 @@ class QuantizedConv(mx.autograd.Function):
         else:
             dx, _ = _conv_grads(x, w_dx, g_dx, *args, True, False)
             _, dw = _conv_grads(x_dw, w32, g_dw, *args, False, True)
-        out = [_like(dw, w_dtype)]
+        out = [like(dw, w_dtype)]
         if has_bias:
-            out.append(_like(mx.nd.sum(grad, axis=1, exclude=True), w_dtype))
-        return (*out, _like(dx, x_dtype))
+            out.append(like(mx.nd.sum(grad, axis=1, exclude=True), w_dtype))
+        return (*out, like(dx, x_dtype))
 
 
 class RecipeConv:
@@ -168,9 +160,7 @@ class RecipeConv:
     quantized GEMMs, with the block's own Convolution arguments; ``remove()`` puts the previous one back."""
 
     def __init__(self, name: str, block, quantizer: Quantizer, compute: str):
-        from .recipe import RecipeDense
-
-        self.name, self.block, self._restore = name, block, RecipeDense.restore
+        self.name, self.block, self._restore = name, block, restore_forward
         self._own = vars(block).get("hybrid_forward")
         original = getattr(self._own, "recipe_of", None)  # another recipe's forward: replace it
         if original is not None:
@@ -184,7 +174,7 @@ class RecipeConv:
             if F is not mx.nd:  # traced into a hybridized graph: the custom operator
                 y = graph.custom(F, self.key, weight, bias, x)
                 return y if block.act is None else block.act(y)
-            x32 = _like(x, "float32")  # a float32 gradient buffer (MXNet copies a bf16 one wrongly under amp)
+            x32 = like(x, "float32")  # a float32 gradient buffer (MXNet copies a bf16 one wrongly under amp)
             y = QuantizedConv(quantizer, name, compute, kwargs)(
                 *((weight, x32) if bias is None else (weight, bias, x32))
             )

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import PolyampError
 from .keep import dtype_name
+from .recipe_operands import like
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -47,11 +48,9 @@ class Layer:
 
     def prepare(self, x):
         """``x`` as the Function takes it."""
-        from .recipe import _like
-
         if self.dense is not None and x.ndim != 2:
             x = x.reshape((x.shape[0], -1)) if self.dense[0] else x.reshape((-1, x.shape[-1]))
-        return _like(x, "float32")
+        return like(x, "float32")
 
     def finish(self, y, x_shape):
         """The Function's output in the block's output shape."""
@@ -106,20 +105,16 @@ class _Operator(mx.operator.CustomOp):
         _assign(out_data[0], req[0], layer.finish(y, self.x_shape))
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        from .recipe import _like
-
         *params, dx = self.fn.backward(_layer(self.key).head(out_grad[0]))
         self.fn = None
-        for i, g in enumerate((*params, _like(dx.reshape(self.x_shape), self.x_dtype))):
+        for i, g in enumerate((*params, like(dx.reshape(self.x_shape), self.x_dtype))):
             _assign(in_grad[i], req[i], g)
 
 
 def _assign(dst, req: str, src) -> None:
     """``CustomOp.assign`` of ``src`` cast to ``dst``'s dtype."""
-    from .recipe import _like
-
     if req != "null":
-        src = _like(src, dtype_name(dst.dtype))
+        src = like(src, dtype_name(dst.dtype))
         dst[:] = src if req == "write" else dst + src
 
 

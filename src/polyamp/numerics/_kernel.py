@@ -14,9 +14,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+from .stream import GOLDEN, M1, M2
+
+_GOLDEN, _M1, _M2 = (np.uint64(c) for c in (GOLDEN, M1, M2))  # numba takes module globals as constants
 _S30, _S27, _S31, _S11, _S52 = (np.uint64(s) for s in (30, 27, 31, 11, 52))
 _ABS = np.uint64(0x7FFFFFFFFFFFFFFF)
 

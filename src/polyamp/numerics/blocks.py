@@ -70,26 +70,16 @@ Edge cases:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
 
 from ..errors import PolyampError, invalid
+from . import exact_float, xp
 from .codes import decode, encode
 from .formats import FORMATS, FloatFormat
-from .rounding import (
-    _MODE,
-    _as_float_array,
-    _framework_tensor,
-    _quantize_array,
-    _rounding,
-    _seed,
-    exact_float64,
-)
+from .rounding import _MODE, _as_float_array, _framework_tensor, _quantize_array, _rounding, _seed
 
 SCALE_RULES = ("floor", "rceil", "ceil", "even")
-_NVFP4_RANGE = 448 * 6
-_FLT_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -168,9 +158,11 @@ def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = N
     >>> quantize_blocks([480.0, 1.0] + [0.0] * 30, "mxfp8_e4m3", scale_rule="rceil")[:2].tolist()
     [480.0, 1.0]
     """
-    front = _framework_tensor(x)
-    if front is not None:
-        return front.quantize_blocks(x, fmt, axis, block, scale_rule, rounding, seed)
+    ops = _framework_tensor(x)
+    if ops is not None:
+        bf, mode, seed, rule = arguments(fmt, scale_rule, rounding, seed)
+        shape = _block_shape(bf, block)
+        return ops.quantize_blocks(x, bf, _axes(axis, _ndim(x), len(shape)), shape, rule, mode, seed)
     enc = _Encoding.of(x, fmt, axis, block, scale_rule, rounding, seed)
     return _values(enc.axes, enc.block, enc.elements, enc.scales, enc.global_scale, enc.dtype)
 
@@ -229,59 +221,17 @@ class _Encoding:
         shape = _block_shape(bf, block)
         axes = _axes(axis, arr.ndim, len(shape))
         dtype = arr.dtype if arr.dtype.itemsize >= 4 else np.dtype(np.float32)
-        x64 = arr.astype(np.float64)
-        a = np.abs(x64)
-        amax = _block_amax(a, axes, shape)
-        bad = ~np.isfinite(amax)
-        if bad.any():  # NaN blocks: scale NaN, elements 0
-            amax = np.where(bad, 0.0, amax)
-            x64 = np.where(_expand(bad, axes, shape, x64.shape), 0.0, x64)
-        seed = seed or 0
-        if bf.scale.name == "e8m0fnu":
-            k = _mx_exponent(amax, bf.element, rule).astype(np.int32)
-            scales = np.ldexp(1.0, k)
-            scaled = np.ldexp(x64, -_expand(k, axes, shape, x64.shape))
-            elements = _quantize_array(scaled, bf.element, mode, True, seed)
-            g = None
-        else:
-            g = _nvfp4_global(a)
-            unit = np.full(amax.shape, bf.element.max * g)
-            scales = _round_quotient(amax, unit, bf.scale, _MODE["nearest"], 0)
-            den = _expand(scales, axes, shape, x64.shape) * g
-            zero = den == 0  # s_block rounded to 0: the block holds +-0
-            if zero.any():
-                x64, den = np.where(zero, np.copysign(0.0, x64), x64), np.where(zero, 1.0, den)
-            elements = _round_quotient(x64, den, bf.element, mode, seed)
-        scales = np.where(bad, np.nan, scales)
-        return cls(bf, rule, axes, shape, dtype, elements, scales, g)
+        with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+            x64, wide = arr.astype(np.float64), dtype == np.float64
+            elements, scales, g = exact_float.encode_blocks(
+                xp, x64, bf, axes, shape, rule, mode, seed or 0, wide, _round_saturated
+            )
+        return cls(bf, rule, axes, shape, dtype, elements, scales, None if g is None else float(g))
 
 
-def _mx_exponent(amax: np.ndarray, elem: FloatFormat, rule: str) -> np.ndarray:
-    """The E8M0 exponent of each block per ``rule`` (module docstring), as int64."""
-    _, e2 = np.frexp(amax)
-    e = e2.astype(np.int64) - 1  # floor(log2 amax), exact (frexp)
-    k = e - elem.emax
-    with np.errstate(under="ignore"):
-        if rule == "rceil":
-            k = k + (amax > np.ldexp(elem.max, k.astype(np.int32)))
-        elif rule == "ceil":
-            k = k + (amax > np.ldexp(1.0, e.astype(np.int32)))
-        elif rule == "even":
-            k = k + (amax >= np.ldexp(2.0 - 2.0 ** -(elem.mbits + 1), e.astype(np.int32)))
-    k = np.where(amax == 0, -127, k)
-    return np.clip(k, -127, 127)
-
-
-def _nvfp4_global(a: np.ndarray) -> float:
-    """float32(amax / 2688) over the finite elements, rounded once; 1 without a finite non-zero."""
-    finite = a[np.isfinite(a)]
-    amax = float(finite.max()) if finite.size else 0.0
-    if amax == 0:
-        return 1.0
-    g = exact_float64(Fraction(amax) / _NVFP4_RANGE)
-    if g >= _FLT_MAX:  # float64 input beyond 2688 * float32's max (float32 input never gets here)
-        return _FLT_MAX
-    return max(float(np.float32(g)), 2.0**-149)
+def _round_saturated(v: np.ndarray, fmt: FloatFormat, mode: int, seed: int, narrow: bool) -> np.ndarray:
+    """The core's rounding (numba kernel, else ``exact_float.round_float64`` over numpy), saturating."""
+    return _quantize_array(v, fmt, mode, True, seed)
 
 
 def _round_quotient(num: np.ndarray, den: np.ndarray, fmt: FloatFormat, mode: int, seed: int) -> np.ndarray:
@@ -291,7 +241,8 @@ def _round_quotient(num: np.ndarray, den: np.ndarray, fmt: FloatFormat, mode: in
     grid, and can land on a grid midpoint ``m`` only if ``num == m * den``. (``m * den`` is a float64
     here, as ``m`` has at most 5 significant bits and ``den`` 28; any other float64 ``num`` is at
     least one float64 step from it, which moves the quotient by more than half a step at ``m``.)
-    So ``t`` rounds like the exact quotient; ``benchmarks/blocks_reference.py`` checks it.
+    So ``t`` rounds like the exact quotient (``exact_float.encode_blocks`` divides so);
+    ``benchmarks/blocks_reference.py`` checks it.
     """
     with np.errstate(over="ignore", invalid="ignore"):
         t = num / den
@@ -300,40 +251,8 @@ def _round_quotient(num: np.ndarray, den: np.ndarray, fmt: FloatFormat, mode: in
 
 def _values(axes, shape, elements, scales, g, dtype) -> np.ndarray:
     """element * scale (* global scale) in float64 (exact), then one rounding to ``dtype``."""
-    s = _expand(scales, axes, shape, elements.shape)
     with np.errstate(invalid="ignore", over="ignore"):
-        v = elements * s
-        if g is not None:
-            v = v * g
-        v = np.where(np.isnan(s), np.nan, v)
-        return v.astype(dtype)
-
-
-def _block_amax(a: np.ndarray, axes: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
-    """max over each block (NaN if the block holds NaN), in the scales' layout; zero padded."""
-    moved = np.moveaxis(a, axes, range(a.ndim - len(axes), a.ndim))
-    lead = moved.shape[: a.ndim - len(axes)]
-    sizes = moved.shape[a.ndim - len(axes) :]
-    counts = [-(-n // b) for n, b in zip(sizes, shape)]
-    pad = [(0, 0)] * len(lead) + [(0, c * b - n) for n, b, c in zip(sizes, shape, counts)]
-    if any(p[1] for p in pad):
-        moved = np.pad(moved, pad)
-    split = list(lead)
-    for c, b in zip(counts, shape):
-        split += [c, b]
-    blocked = moved.reshape(split)
-    amax = blocked.max(axis=tuple(len(lead) + 2 * i + 1 for i in range(len(shape))), initial=0.0)  # NaN wins
-    return np.moveaxis(amax, range(a.ndim - len(axes), a.ndim), axes)
-
-
-def _expand(per_block: np.ndarray, axes, shape, full: tuple[int, ...]) -> np.ndarray:
-    """Repeat each block's entry over its elements: the scales' layout -> x's layout."""
-    out = per_block
-    for a, b in zip(axes, shape):
-        out = np.repeat(out, b, axis=a)
-        if out.shape[a] != full[a]:
-            out = out.take(np.arange(full[a]), axis=a)
-    return out
+        return exact_float.block_values(xp, axes, shape, elements, scales, g).astype(dtype)
 
 
 # -- argument checking ----------------------------------------------------------------------------
@@ -411,6 +330,14 @@ def _axes(axis, ndim: int, count: int) -> tuple[int, ...]:
     if axes[0] == axes[1]:
         raise PolyampError(f"16x16 blocks tile two distinct axes, got axis={axis!r}")
     return axes
+
+
+def _ndim(x) -> int:
+    """The number of dimensions of a framework tensor (its shape's length; it must be known)."""
+    try:
+        return len(x.shape)
+    except (TypeError, ValueError):
+        raise PolyampError(f"quantize_blocks needs a static shape, got {x.shape}") from None
 
 
 def _input(x) -> np.ndarray:

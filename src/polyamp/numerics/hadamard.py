@@ -33,7 +33,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PolyampError
-from .rounding import _as_float_array, _mix
+from ..frameworks import ops_of
+from .rounding import _as_float_array
+from .stream import mix as _mix
 
 TILE = 16
 SIGN_SEED = 0
@@ -51,42 +53,86 @@ def hadamard_matrix() -> np.ndarray:
     return 0.25 * SIGNS.astype(np.float64)[:, None] * h16
 
 
-def hadamard_tiles(x, axis: int = -1) -> np.ndarray:
+def hadamard_tiles(x, axis: int = -1):
     """``x`` times ``H`` in tiles of 16 along ``axis`` (module docstring), float32, ``axis`` zero padded
-    to a multiple of 16.
+    to a multiple of 16. ``x`` a numpy float array, or a tensor of an imported framework (torch, TF, JAX,
+    MXNet NDArray), run there over its ops module (``polyamp.<framework>.xp``, no host copy; the result
+    never requires grad).
 
     >>> g, x = np.float32([[1, -2, 3]]), np.float32([[0.5, 4, -1]])
     >>> hadamard_tiles(g).shape, (hadamard_tiles(g) @ hadamard_tiles(x).T).item(), (g @ x.T).item()
     ((1, 16), -10.5, -10.5)
     """
+    ops = ops_of(x)
+    if ops is None:
+        ops, x = _NUMPY, _numpy_operand(x)
+    rank = _checked_rank(ops, x)
+    axis = _axis(axis, rank)
+    t = ops.float32_tiles(x, axis, TILE)  # [*lead, tiles, TILE, *rest], split in place (no axis moves)
+    t = ops.times(t, SIGNS.reshape(TILE, *[1] * (rank - axis - 1)))
+    for h in STAGES:
+        t = ops.butterfly(t, axis + 1, h)
+    return ops.merge_tiles(ops.times(t, np.float32(0.25)), axis)
+
+
+def _numpy_operand(x) -> np.ndarray:
     if type(x).__module__.split(".")[0] in ("torch", "tensorflow", "jax", "jaxlib", "mxnet"):
         raise PolyampError(
-            f"hadamard_tiles takes a numpy float array, got a {type(x).__module__}.{type(x).__name__}; "
-            "use the framework's own (polyamp.torch.hadamard.hadamard_tiles) or convert with np.asarray"
+            f"hadamard_tiles takes a numpy float array or a tensor of an imported framework, got a "
+            f"{type(x).__module__}.{type(x).__name__} its front end does not take; convert it with np.asarray"
         )
     if isinstance(x, (list, tuple)) or np.ndim(x) == 0:
         raise PolyampError(
             f"hadamard_tiles takes a numpy float array of 1 or more dimensions, got {type(x).__name__}"
             + (f" of shape {np.shape(x)}" if hasattr(x, "shape") else f" {x!r}"[:80])
         )
-    arr = _as_float_array(x)
-    axis = _axis(axis, arr.ndim)
-    with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, as a cast does
-        v = np.moveaxis(arr.astype(np.float32), axis, -1)
-    n = v.shape[-1]
-    pad = -n % TILE
-    if pad:
-        v = np.concatenate([v, np.zeros((*v.shape[:-1], pad), np.float32)], axis=-1)
-    lead = v.shape[:-1]
-    tiles = (n + pad) // TILE
-    t = v.reshape(*lead, tiles, TILE) * SIGNS
-    with np.errstate(over="ignore", invalid="ignore"):  # inf - inf is NaN, as the docstring says
-        for h in STAGES:
-            pairs = t.reshape(*lead, tiles, TILE // (2 * h), 2, h)
-            a, b = pairs[..., 0, :], pairs[..., 1, :]
-            t = np.stack([a + b, a - b], axis=-2)
-    out = (t * np.float32(0.25)).reshape(*lead, n + pad)
-    return np.moveaxis(out, -1, axis)
+    return _as_float_array(x)
+
+
+def _checked_rank(ops, x) -> int:
+    dtype, shape = ops.tensor_facts(x)
+    if dtype not in _FLOATS or not shape:
+        raise PolyampError(f"hadamard_tiles takes a float16/bfloat16/float32/float64 tensor of 1 or more "
+                           f"dimensions; received a {ops.NAME}.{dtype} tensor of shape {shape}")  # fmt: skip
+    return len(shape)
+
+
+class _NUMPY:
+    """The ops :func:`hadamard_tiles` runs over, for a numpy array."""
+
+    NAME = "numpy"
+
+    @staticmethod
+    def tensor_facts(x):
+        return x.dtype.name, x.shape
+
+    @staticmethod
+    def float32_tiles(x, axis, tile):
+        with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, as a cast does
+            v = x.astype(np.float32)
+        pad = [(0, 0)] * v.ndim
+        pad[axis] = (0, -v.shape[axis] % tile)
+        v = np.pad(v, pad)
+        return v.reshape(*v.shape[:axis], v.shape[axis] // tile, tile, *v.shape[axis + 1 :])
+
+    @staticmethod
+    def times(t, c):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return t * c
+
+    @staticmethod
+    def butterfly(t, axis, h):
+        pairs = t.reshape(*t.shape[:axis], t.shape[axis] // (2 * h), 2, h, *t.shape[axis + 1 :])
+        a, b = np.take(pairs, 0, axis + 1), np.take(pairs, 1, axis + 1)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf - inf is NaN, as the docstring says
+            return np.stack([a + b, a - b], axis=axis + 1).reshape(t.shape)
+
+    @staticmethod
+    def merge_tiles(t, axis):
+        return t.reshape(*t.shape[:axis], t.shape[axis] * t.shape[axis + 1], *t.shape[axis + 2 :])
+
+
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
 
 
 def _axis(axis, ndim: int) -> int:

@@ -22,27 +22,27 @@ Every input is rounded once, from its exact value: a float64 input straight from
 detour through float32); a Python int, Fraction or Decimal through a float64 stand-in that rounds
 like the exact value (see ``exact_float64``); a float16/bfloat16 input into a result dtype that
 holds every value of the format, so its result is never rounded a second time (see ``quantize``).
-The compiled kernel (numba, optional) and the numpy code below implement the same steps and are
-tested to agree bit for bit; 16-bit inputs use a 65,536-entry table for nearest and toward-zero.
+The compiled kernel (numba, optional) and the float64 route (``exact_float.py``, here over numpy,
+also torch's and MXNet's) implement the same steps and are tested to agree bit for bit; 16-bit
+inputs use a 65,536-entry table for nearest and toward-zero.
 """
 
 from __future__ import annotations
 
-import importlib
-import math
 import numbers
 import os
-import sys
 from decimal import Decimal
-from fractions import Fraction
 from functools import lru_cache
 
 import ml_dtypes
 import numpy as np
 
 from ..errors import PolyampError
-from ..frameworks import detect
+from ..frameworks import ops_of
+from . import exact_float, xp
+from .exact_float import exact_float64
 from .formats import FORMATS, FloatFormat, get_format
+from .stream import MASK64, mix
 
 ROUNDINGS = ("nearest", "stochastic", "toward_zero")
 _MODE = {name: i for i, name in enumerate(ROUNDINGS)}
@@ -50,7 +50,6 @@ _ALIASES = {"nearest_even": "nearest", "rne": "nearest", "sr": "stochastic", "rt
             "truncate": "toward_zero"}  # fmt: skip
 INPUT_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32),
                 np.dtype(np.float64))  # fmt: skip
-_MASK64 = (1 << 64) - 1
 
 
 def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: int | None = None):
@@ -73,10 +72,10 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
     >>> float(quantize(68.00000356923152, "e4m3fn"))  # float64 is rounded once
     72.0
     """
-    front = _framework_tensor(x)
-    if front is not None:
-        return front.quantize(x, fmt, rounding, saturate, seed)
+    ops = _framework_tensor(x)
     fmt, mode, saturate, seed = arguments(fmt, rounding, saturate, seed)
+    if ops is not None:
+        return ops.quantize(x, fmt, mode, saturate, seed)
     out = _quantize_array(_as_float_array(x), fmt, mode, saturate, seed or 0)
     return out[()] if out.ndim == 0 else out
 
@@ -95,19 +94,9 @@ def arguments(fmt, rounding, saturate, seed) -> tuple[FloatFormat, int, bool, in
     return fmt, mode, saturate, seed
 
 
-_FRONT_ENDS = ("torch", "tensorflow", "jax", "mxnet")  # front ends with a ``quantize`` module (framework ops)
-
-
 def _framework_tensor(x):
-    """``polyamp.<framework>.quantize`` when ``x`` is a tensor it takes, else None (numpy path).
-
-    Imports the front end only for a tensor of a framework that ``x`` proves is already imported.
-    """
-    name = detect(x)
-    if name not in _FRONT_ENDS:
-        return None
-    front = importlib.import_module(f"..{name}.quantize", __package__)
-    return front if front.accepts(x) else None
+    """The ops module of ``x``'s framework (``polyamp.frameworks.ops_of``), or None (numpy path)."""
+    return ops_of(x)
 
 
 def _quantize_array(arr: np.ndarray, fmt: FloatFormat, mode: int, saturate: bool, seed: int):
@@ -115,13 +104,12 @@ def _quantize_array(arr: np.ndarray, fmt: FloatFormat, mode: int, saturate: bool
         return _table(arr.dtype, fmt, mode, saturate)[arr.view(np.uint16)]
     work = arr if arr.dtype.itemsize >= 4 else arr.astype(np.float32)
     flat = np.ascontiguousarray(work).reshape(-1)
-    params = _params(fmt, mode, saturate, seed)
     kernel = _kernel()
     if kernel is not None and fmt.signed and fmt.subnormals:
         out = np.empty_like(flat)
-        kernel(flat, out, *params)
+        kernel(flat, out, *_params(fmt, mode, saturate, seed))
     else:
-        out = _quantize_numpy(flat, fmt, *params)
+        out = _quantize_numpy(flat, fmt, mode, saturate, seed)
     return out.reshape(arr.shape).astype(_result_dtype(arr.dtype, fmt), copy=False)
 
 
@@ -149,70 +137,22 @@ def _table(dtype: np.dtype, fmt: FloatFormat, mode: int, saturate: bool) -> np.n
     """All 65,536 results for a 16-bit input dtype, indexed by the input's bit pattern."""
     codes = np.arange(1 << 16, dtype=np.uint16).view(dtype)
     with np.errstate(invalid="ignore"):
-        values = _quantize_numpy(codes.astype(np.float64), fmt, *_params(fmt, mode, saturate, 0))
+        values = _quantize_numpy(codes.astype(np.float64), fmt, mode, saturate, 0)
     return values.astype(_result_dtype(dtype, fmt))
 
 
 def _params(fmt: FloatFormat, mode: int, saturate: bool, seed: int) -> tuple:
     """The scalars the kernel needs, in its argument order."""
-    overflow = fmt.max if (saturate or fmt.saturates_always) else (np.inf if fmt.has_inf else np.nan)
-    return (fmt.mbits, fmt.emin, fmt.emax, float(fmt.max), float(overflow), mode,
-            not fmt.has_negative_zero, np.uint64(_mix(seed)))  # fmt: skip
+    overflow = float(exact_float.overflow_value(fmt, saturate))
+    return (fmt.mbits, fmt.emin, fmt.emax, float(fmt.max), overflow, mode, not fmt.has_negative_zero,
+            np.uint64(mix(seed)))  # fmt: skip
 
 
-def _quantize_numpy(flat, fmt, mbits, emin, emax, maxval, overflow, mode, pos_zero, key):
-    """The reference implementation of the module docstring, vectorised with numpy (float64)."""
+def _quantize_numpy(flat: np.ndarray, fmt: FloatFormat, mode: int, saturate: bool, seed: int) -> np.ndarray:
+    """The reference implementation of the module docstring: ``exact_float.round_float64`` over numpy."""
     with np.errstate(invalid="ignore", over="ignore"):
-        v = flat.astype(np.float64)
-        a = np.abs(v)
-        _, e2 = np.frexp(a)
-        e = np.maximum(e2.astype(np.int64) - 1, emin)
-        e = np.minimum(e, emax + 1)  # beyond emax+1 the value overflows anyway
-        q = np.ldexp(1.0, (e - mbits).astype(np.int32))
-        t = a / q
-        nearest = np.rint(t)
-        if mode == _MODE["nearest"]:
-            r = nearest
-        elif mode == _MODE["toward_zero"]:
-            r = np.floor(t)
-        else:
-            f = np.floor(t)
-            u = _uniform53(key, flat.size)
-            r = f + (u < (t - f))
-        r = r * q
-        over = r > maxval
-        if mode == _MODE["toward_zero"]:
-            r = np.where(over, maxval, r)
-        else:
-            r = np.where(over, np.where(nearest * q > maxval, overflow, maxval), r)
-        r = np.where(np.isinf(a), overflow, r)
-        r = np.where(np.isnan(a), np.nan, r)
-        r = np.copysign(r, v)
-        if pos_zero:
-            r = np.where(r == 0, 0.0, r)
-        if not fmt.signed:
-            r = np.where(v < 0, np.nan, r)
-        if not fmt.subnormals:
-            r = np.where(a == 0, np.nan, np.where((a > 0) & (r == 0), fmt.min_normal, r))
+        r = exact_float.round_float64(xp, flat.astype(np.float64), fmt, mode, saturate, seed)
     return r.astype(flat.dtype)
-
-
-def _uniform53(key, n: int) -> np.ndarray:
-    """Uniform [0, 1) floats with 53 random bits: splitmix64 of (key + (i+1)*golden)."""
-    with np.errstate(over="ignore"):
-        z = np.uint64(key) + (np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-def _mix(seed: int) -> int:
-    """splitmix64 of the seed, so that nearby seeds give unrelated streams."""
-    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
 
 
 @lru_cache(maxsize=1)
@@ -229,7 +169,7 @@ def _kernel():
 
 @lru_cache(maxsize=1)
 def uniform_grid_kernel():
-    """The compiled stream of ``_uniform53`` over a 2-D grid of flat indices (``_kernel.uniform_grid``),
+    """The compiled stream of ``stream.uniform53`` over a 2-D grid of flat indices (``_kernel.uniform_grid``),
     or None as for ``_kernel``: the torch front end's stochastic rounding on the CPU takes it."""
     if _kernel() is None:
         return None
@@ -270,10 +210,10 @@ def _flag(value, name: str) -> bool:
 
 def _seed(seed) -> int:
     if seed is None:
-        return int(np.random.SeedSequence().entropy) & _MASK64
+        return int(np.random.SeedSequence().entropy) & MASK64
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
         raise PolyampError(f"seed must be an integer in [0, 2^64) or None, got {seed!r}")
-    if not 0 <= int(seed) <= _MASK64:
+    if not 0 <= int(seed) <= MASK64:
         raise PolyampError(f"seed must be an integer in [0, 2^64) or None, got {seed!r}")
     return int(seed)
 
@@ -325,36 +265,6 @@ def _ints_as_float64(arr: np.ndarray) -> np.ndarray:
     if big.any():
         out[big] = [exact_float64(int(v)) for v in arr[big]]
     return out
-
-
-def exact_float64(x) -> float:
-    """A float64 that every format rounds as it would round the exact Python number ``x``.
-
-    ``x`` itself when float64 holds it; otherwise its truncation to float64's 53 significant bits with
-    the last bit set (round to odd; then rounding to any format of <= 51 bits is correct), clamped to
-    float64's range (a finite value beyond it stays finite; a tiny non-zero one stays non-zero).
-    """
-    if isinstance(x, (float, np.floating)):
-        return float(x)
-    if isinstance(x, Decimal):
-        if x.is_nan():
-            return math.nan
-        if not x.is_finite() or x.is_zero():
-            return float(x)
-        if not -330 < x.adjusted() < 310:  # far outside float64's range: skip the huge Fraction
-            return (-1.0 if x.is_signed() else 1.0) * (sys.float_info.max if x.adjusted() > 0 else 5e-324)
-    q = Fraction(x)
-    sign, n, d = (-1.0 if q < 0 else 1.0), abs(q.numerator), q.denominator
-    if n == 0:
-        return 0.0
-    e = n.bit_length() - d.bit_length()  # floor(log2 |q|) is e or e - 1
-    if (n << max(-e, 0)) < (d << max(e, 0)):
-        e -= 1
-    if e > 1023:
-        return sign * sys.float_info.max
-    s = max(e, -1022) - 52  # float64's spacing at |q|
-    k, rest = divmod(n << max(-s, 0), d << max(s, 0))
-    return sign * math.ldexp(k | (rest != 0), s)
 
 
 def _brief(x) -> str:

@@ -32,24 +32,24 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.compiler.tf2xla.python import xla as tf_xla
 
-from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram
+from ..doctor import binning as core
+from ..doctor import vector
+from ..doctor.histogram import N_BINS, LogHistogram
 from ..errors import PolyampError
+from . import xp
 
-_MASK, _INF, _NORMAL, _MANT = 0x7FFFFFFF, 0x7F800000, 0x00800000, 0x007FFFFF
-_SHIFT = 23 - (SUB.bit_length() - 1)  # a >> _SHIFT = SUB * biased exponent + k (SUB a power of two)
-_OFFSET = SUB * (-127 - B_MIN) + 1  # spec index - (a >> _SHIFT), for a normal float32
-_ZERO, _NONFINITE, _APART, _IGNORE = N_BINS, N_BINS + 1, N_BINS + 2, N_BINS + 3  # slots past the bins
+_MASK, _INF, _NORMAL, _MANT = core.F32.mask, core.F32.inf, core.F32.normal, core.F32.normal - 1
+_IGNORE = vector.HIGH  # the slot of the elements a chunk repeats
+_RATIO_ORDER = [*range(N_BINS), vector.NONFINITE, vector.APART, vector.ZEROS]  # a ratio record's counts
 _CHUNK = 1 << 18  # elements of a chunk of the float32 kernel: its slots stay in the cache
 _SMALL = 1 << 14  # elements: up to this, a tensor takes the general kernel, batched with the others
 # float64: exponent field 11 bits, mantissa 52
-_MASK64, _INF64, _NORMAL64, _MANT64 = 2**63 - 1, 0x7FF << 52, 1 << 52, (1 << 52) - 1
-_KEY64_OFFSET = SUB * (1023 + B_MIN) - 1  # spec index = (a >> 48) - this, for a normal float64
+_MASK64, _INF64, _MANT64 = core.F64.mask, core.F64.inf, core.F64.normal - 1
 _E_CLIP = 1100  # |b(u) - b(w)| beyond this: 2^that over- or underflows float64 either way
 _F64 = np.finfo(np.float64)
 _LENGTH = {"hist": N_BINS + 4, "ratio": N_BINS + 5}  # a record's, by layout
@@ -125,8 +125,11 @@ class Tally:
             self.zeros += int(rec[N_BINS])
             self.nonfinite += int(rec[N_BINS + 1])
             lo, hi = int(rec[N_BINS + 2]), int(rec[N_BINS + 3])
-            self._bins(rec[:N_BINS], float(np.array(hi, np.int64).view(np.float64)) if hi > 0 else 0.0,
-                       float(np.array(lo, np.int64).view(np.float64)) if 0 < lo < _INF64 else math.inf)
+            self._bins(
+                rec[:N_BINS],
+                float(np.array(hi, np.int64).view(np.float64)) if hi > 0 else 0.0,
+                float(np.array(lo, np.int64).view(np.float64)) if 0 < lo < _INF64 else math.inf,
+            )
         elif layout == "ratio":  # bins, nonfinite, apart, zeros, the extremes' keys
             self.nonfinite += int(rec[N_BINS])
             self.apart += int(rec[N_BINS + 1])
@@ -204,38 +207,25 @@ def _max_min(dtype: tf.DType):
     """The reducer of ``_chunked``'s variadic reduction: (max, min) of pairs."""
     spec = tf.TensorSpec([], dtype)
     return tf.function(lambda a, b, c, d: (tf.maximum(a, c), tf.minimum(b, d))).get_concrete_function(
-        spec, spec, spec, spec)
-
-
-def _normalised(a):
-    """float32 magnitude bits, a subnormal ``a * 2^-149`` as ``float(a)``'s bits with the exponent lowered
-    by 149 (may go negative; exact): ``n >> 23`` is the biased binade, ``n & 0x7fffff`` the mantissa."""
-    return tf.where(a < _NORMAL, tf.bitcast(tf.cast(a, tf.float32), tf.int32) - (149 << 23), a)
+        spec, spec, spec, spec
+    )
 
 
 def _hist_elements(x):
-    """Slots, and the keys of the extremes (the bits of the largest finite and the smallest non-zero)."""
+    """Slots (``doctor/binning.py``), and the keys of the extremes (the bits of the largest finite and the
+    smallest non-zero)."""
     a = tf.bitwise.bitwise_and(tf.bitcast(x, tf.int32), _MASK)
     finite = a < _INF
-    index = tf.bitwise.right_shift(_normalised(a), _SHIFT) + _OFFSET
-    slots = tf.where(a == 0, _ZERO, tf.where(finite, index, _NONFINITE))
-    return slots, tf.where(finite, a, 0), tf.where(finite & (a > 0), a, _MASK)
+    return core.value_slots(xp, a), tf.where(finite, a, 0), tf.where(finite & (a > 0), a, _MASK)
 
 
 def _ratio_elements(u, w):
-    """Slots of ``|u| / 2^b(w)``, and the ratios' keys for the extremes (module docstring)."""
+    """Slots of ``|u| / 2^b(w)`` (``doctor/binning.py``), and the ratios' keys for the extremes (module
+    docstring)."""
     au = tf.bitwise.bitwise_and(tf.bitcast(u, tf.int32), _MASK)
     aw = tf.bitwise.bitwise_and(tf.bitcast(w, tf.int32), _MASK)
-    bad = (au >= _INF) | (aw >= _INF)
-    apart = ~bad & (aw == 0)
-    zero = ~bad & ~apart & (au == 0)
-    nu = _normalised(au)
-    e = tf.bitwise.right_shift(nu, 23) - tf.bitwise.right_shift(_normalised(aw), 23)  # b(u) - b(w)
-    k = tf.bitwise.bitwise_and(tf.bitwise.right_shift(nu, _SHIFT), SUB - 1)
-    index = tf.clip_by_value(SUB * (e - B_MIN) + k + 1, 0, N_BINS - 1)
-    slots = tf.where(bad, _NONFINITE, tf.where(apart, _APART, tf.where(zero, _ZERO, index)))
+    slots, counted, e, nu = core.ratio_parts(xp, au, aw)
     key = tf.cast(e, tf.int64) * (1 << 52) + tf.cast(tf.bitwise.bitwise_and(nu, _MANT), tf.int64) * (1 << 29)
-    counted = ~(bad | apart | zero)
     return slots, tf.where(counted, key, tf.int64.min), tf.where(counted, key, tf.int64.max)
 
 
@@ -253,7 +243,7 @@ def _ratio32(u, w, after: bool = False):
         return _ratio_elements(a - w if after else a, w)
 
     counts, top, bottom = _chunked(elements, [u, w], N_BINS + 3, tf.int64)
-    slots = tf.gather(counts, [*range(N_BINS), _NONFINITE, _APART, _ZERO])
+    slots = tf.gather(counts, _RATIO_ORDER)
     return tf.concat([tf.cast(slots, tf.int64), tf.stack([bottom, top])], 0)
 
 
@@ -267,30 +257,11 @@ def _compiled(kernel: str, n: int):
 
 
 # -- the general kernel (int64, many tensors at once) ------------------------------------------------
-_GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _c(value, dtype):
-    """A constant, made once per graph while tracing (a graph of fewer ops builds faster)."""
-    if tf.executing_eagerly():
-        return tf.constant(value, dtype)
-    made = _GRAPH_CONSTANTS.setdefault(tf.compat.v1.get_default_graph(), {})
-    key = (tuple(value) if isinstance(value, list) else value, dtype)
-    if key not in made:
-        made[key] = tf.constant(value, dtype)
-    return made[key]
-
-
 def _i64(v: int):
     return _c(v, tf.int64)
 
 
-def _shr(x, n: int):
-    return tf.bitwise.right_shift(x, _c(n, x.dtype))
-
-
-def _and(x, mask: int):
-    return tf.bitwise.bitwise_and(x, _c(mask, x.dtype))
+_c, _shr, _and = xp.graph_const, xp.shift_right, xp.bit_and
 
 
 def _segments(groups: list[list]):
@@ -351,37 +322,22 @@ def _segment_max(x, seg, n: int):
 def _hist64(a, seg=None, n: int = 1):
     """The general histogram of float64 magnitude bits ``a`` (int64), by segment: ``[n, N_BINS + 4]`` rows
     of bin counts, zeros, nonfinite, the smallest non-zero and the largest finite bits."""
-    finite = a < _INF64
-    idx = tf.clip_by_value(_shr(a, 48) - _KEY64_OFFSET, 0, N_BINS - 1)
-    code = tf.where(a == 0, _i64(N_BINS), tf.where(finite, idx, _i64(N_BINS + 1)))
+    code = core.value_slots(xp, a, core.F64)
     lo = _segment_min(tf.where(a > 0, a, _i64(_MASK64)), seg, n)
-    hi = _segment_max(tf.where(finite, a, _i64(-1)), seg, n)
+    hi = _segment_max(tf.where(a < _INF64, a, _i64(-1)), seg, n)
     return tf.concat([_by_segment(code, N_BINS + 2, seg, n), lo[:, None], hi[:, None]], 1)
 
 
 def _ratio64(au, aw, seg=None, n: int = 1):
-    """The ratio spec in int64 arithmetic on float64 magnitude bits, by segment: ``[n, N_BINS + 5]`` rows of
-    counts (bins, then nonfinite, apart, zeros) and min and max of ``clip(E) * 2^52 + mantissa(u)`` over
-    the regular elements."""
-    bad = (au >= _INF64) | (aw >= _INF64)
-    apart = ~bad & (aw == 0)
-    zero = ~bad & ~apart & (au == 0)
-    regular = ~(bad | apart | zero)
-    nu, nw = _normalised64(au), _normalised64(aw)
-    e = _shr(nu, 52) - _shr(nw, 52)  # b(u) - b(w)
-    idx = tf.clip_by_value(SUB * (e - B_MIN) + _and(_shr(nu, 48), SUB - 1) + 1, 0, N_BINS - 1)
-    code = tf.where(apart, _i64(N_BINS + 1), tf.where(zero, _i64(N_BINS + 2), idx))
-    code = tf.where(bad, _i64(N_BINS), code)
+    """The ratio spec (``doctor/binning.py``) on float64 magnitude bits, by segment: ``[n, N_BINS + 5]`` rows
+    of counts (bins, then nonfinite, apart, zeros) and min and max of ``clip(E) * 2^52 + mantissa(u)``
+    over the regular elements."""
+    code, regular, e, nu = core.ratio_parts(xp, au, aw, core.F64)
     key = tf.clip_by_value(e, -_E_CLIP, _E_CLIP) * (1 << 52) + _and(nu, _MANT64)
     lo = _segment_min(tf.where(regular, key, _i64(tf.int64.max)), seg, n)
     hi = _segment_max(tf.where(regular, key, _i64(tf.int64.min)), seg, n)
-    return tf.concat([_by_segment(code, N_BINS + 3, seg, n), lo[:, None], hi[:, None]], 1)
-
-
-def _normalised64(a):
-    """float64 magnitude bits, a subnormal ``m * 2^-1074`` as ``float(m)``'s bits with the exponent
-    lowered by 1074 (may go negative; exact)."""
-    return tf.where(a < _NORMAL64, tf.bitcast(tf.cast(a, tf.float64), tf.int64) - (1074 << 52), a)
+    counts = tf.gather(_by_segment(code, N_BINS + 3, seg, n), _c(_RATIO_ORDER, tf.int32), axis=1)
+    return tf.concat([counts, lo[:, None], hi[:, None]], 1)
 
 
 _HIST64 = tf.function(_hist64, input_signature=[tf.TensorSpec([None], tf.int64)])

@@ -39,8 +39,9 @@ from ..numerics import blocks as _blocks
 from ..numerics.formats import FORMATS, FloatFormat
 from ..numerics.grid import FLOAT64 as _FLOAT64
 from ..numerics.grid import Grid as _Grid
-from ..numerics.rounding import _MODE, _mix, _result_name
+from ..numerics.rounding import _MODE, _result_name
 from ..numerics.rounding import arguments as _arguments
+from ..numerics.stream import mix as _mix
 
 # float dtype -> (exponent bits, mantissa bits, unsigned dtype of its width)
 _LAYOUT = {tf.float16: (5, 10, tf.uint16), tf.bfloat16: (8, 7, tf.uint16),

@@ -56,10 +56,10 @@ from ..errors import PolyampError
 from ..keras.keep import named_layers
 from ..numerics import BLOCK_FORMATS, FORMATS, get_format
 from ..numerics import blocks as _blocks
+from ..numerics.hadamard import hadamard_tiles
 from ..numerics.rounding import _MODE
 from ..recipe_layers import RecipeLayers
 from ..recipes import DelayedScaling, Recipe
-from .hadamard import hadamard_tiles
 from .quantize import _U, _divide, _Grid, _Num, _round, _Stream, blocks_keyed, compose, graph_call, key_of
 from .quantize import _decompose as decompose
 from .quantize import _decompose_bits as decompose_bits

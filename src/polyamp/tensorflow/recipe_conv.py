@@ -31,7 +31,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from .hadamard import hadamard_tiles
+from ..numerics.hadamard import hadamard_tiles
 from .quantize import graph_call
 
 CONV_LAYERS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)

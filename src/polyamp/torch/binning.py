@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
@@ -37,15 +36,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..doctor import binning as core
 from ..doctor import vector
 from ..doctor.histogram import B_MIN, N_BINS, SUB, LogHistogram
 from ..errors import PolyampError
 from . import binning_device as on_device
 
-_MASK, _INF, _NORMAL, _ONE = 0x7FFFFFFF, 0x7F800000, 0x00800000, 0x3F800000
-_SHIFT = 23 - (SUB.bit_length() - 1)  # a >> _SHIFT = SUB * biased exponent + k (SUB a power of two)
-_OFFSET = SUB * (-127 - B_MIN) + 1  # spec index - key for a normal float32
-_KEYS, _KEY_NORMAL, _KEY_INF = (_MASK >> _SHIFT) + 1, _NORMAL >> _SHIFT, _INF >> _SHIFT
+_MASK, _INF, _NORMAL, _ONE = core.F32.mask, core.F32.inf, core.F32.normal, 0x3F800000
+_SHIFT, _OFFSET = core.F32.shift, core.F32.offset  # a >> _SHIFT = SUB * biased exponent + k; index - that
+_KEYS, _KEY_INF = core.F32.keys, _INF >> _SHIFT
 _LANES = 1 << (_SHIFT - 16)  # high int16 halves per key
 _HIGH = int(sys.byteorder == "little")  # the high int16 half of an int32 in memory (GPUs: little-endian)
 _LARGE = 1 << 20  # from this many elements on, a CPU tensor's keys are int16 (``_large``)
@@ -284,7 +283,9 @@ def _hist_large(x: torch.Tensor, scratch: Scratch) -> tuple[Part | None, np.ndar
     if found is None:
         return None, keys
     zeros, amin = found
-    return Part(_normal_counts(keys), zeros, 0, max(-_float(lo), _float(hi)), _float(amin)), keys
+    return Part(
+        core.normal_counts(keys), zeros, 0, max(-core.float_of(lo), core.float_of(hi)), core.float_of(amin)
+    ), keys
 
 
 def _lowest(x: torch.Tensor, k: torch.Tensor, lowest: int, zero: bool) -> tuple[int, int] | None:
@@ -320,7 +321,7 @@ def _hist_bits(a: torch.Tensor, scratch: Scratch, keys: np.ndarray | None = None
     if lo == 0:  # zeros present: the smallest non-zero magnitude (2^31: none); key 0 holds zeros
         lo = _extreme(a, highest=False)
         zeros = int(keys[0]) if lo >> _SHIFT else n - int(torch.count_nonzero(a))
-    counts = _normal_counts(keys)
+    counts = core.normal_counts(keys)
     if 0 < lo < _NORMAL:  # subnormals: a * 2^-149 with a < 2^23, exactly float(a) * 2^-149
         sub = a[(a > 0) & (a < _NORMAL)].float().view(torch.int32)
         idx = (sub >> _SHIFT) + (_OFFSET - SUB * 149)
@@ -329,8 +330,8 @@ def _hist_bits(a: torch.Tensor, scratch: Scratch, keys: np.ndarray | None = None
         counts,
         zeros=zeros,
         nonfinite=int(keys[_KEY_INF:].sum()),
-        amax=_float(hi) if hi > 0 else 0.0,
-        amin_nonzero=_float(lo) if 0 < lo < _INF else None,
+        amax=core.float_of(hi) if hi > 0 else 0.0,
+        amin_nonzero=core.float_of(lo) if 0 < lo < _INF else None,
     )
 
 
@@ -368,11 +369,11 @@ def ratio_bits(au: torch.Tensor, e: torch.Tensor, w: torch.Tensor, scratch: Scra
             break
         special.append(_locate(d, lo, hi, _ONE))
     keys = _keys(d, scratch, _ONE).cpu().numpy()  # every element regular now: d + _ONE is the ratio's bits
-    counts = _normal_counts(keys)
+    counts = core.normal_counts(keys)
     if not idx.numel():
-        return Part(counts, amax=_float(hi), amin_nonzero=_float(lo))
+        return Part(counts, amax=core.float_of(hi), amin_nonzero=core.float_of(lo))
     counts[min(((fill + _ONE) >> _SHIFT) + _OFFSET, N_BINS - 1)] -= idx.numel()
-    regular = Part(counts, amax=_float(hi), amin_nonzero=_float(lo))
+    regular = Part(counts, amax=core.float_of(hi), amin_nonzero=core.float_of(lo))
     return _combined([regular, _ratio64(au[idx].view(torch.float32).double(), w[idx].double())])
 
 
@@ -450,19 +451,8 @@ def _fetch(counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[np
     return host[:-2], int(host[-2]), int(host[-1])
 
 
-def _normal_counts(keys: np.ndarray) -> np.ndarray:
-    """The spec's counts of the normal floats among the key counts (float32's binades are the spec's)."""
-    counts = np.zeros(N_BINS, np.int64)
-    counts[_KEY_NORMAL + _OFFSET : _KEY_INF + _OFFSET] = keys[_KEY_NORMAL:_KEY_INF]
-    return counts
-
-
 def _empty() -> Part:
     return Part(np.zeros(N_BINS, np.int64))
-
-
-def _float(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
 def _ratio64(u: torch.Tensor, w: torch.Tensor | None) -> Part:

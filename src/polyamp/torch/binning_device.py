@@ -2,10 +2,9 @@
 
 A tensor not in host memory is binned by elementwise ops and one ``bincount`` into the one-vector form
 of ``doctor/vector.py``, left on its device (``Pending``); ``fetch`` reads all of a call's vectors in
-one transfer per device (``binning.settle``). An element's spec index comes from its pseudo bits
-(``pseudo``): a normal float32 magnitude's own bits, a subnormal's normalised; an update ratio's is
-``|u|``'s less ``SUB * b(w)``, clamped to the spec's range, and its key is ``vector.py``'s. Zeros,
-inf/NaN and zero weights (ratios) are counted in the vector's own slots. Exact, as ``binning.py``.
+one transfer per device (``binning.settle``). Each element's slot is the core's (``doctor/binning.py``:
+its bin, or zeros, inf/NaN, zero weights); an update ratio's key is ``vector.py``'s. Exact, as
+``binning.py``.
 """
 
 from __future__ import annotations
@@ -15,13 +14,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..doctor import binning as core
 from ..doctor import vector
-from ..doctor.histogram import B_MIN, N_BINS, SUB
+from . import xp
 
-_MASK, _INF, _NORMAL = 0x7FFFFFFF, 0x7F800000, 0x00800000
-_SHIFT = 23 - (SUB.bit_length() - 1)  # a >> _SHIFT = SUB * biased exponent + sub-bin
-_OFFSET = SUB * (-127 - B_MIN) + 1  # spec index - key of a normal float32
-_RATIO_OFFSET = -SUB * B_MIN + 1  # ratio index - ((pseudo(u) >> _SHIFT) - (E(w) << 23 >> _SHIFT))
+_MASK, _INF = 0x7FFFFFFF, 0x7F800000
 _BIG = 1 << 62  # above every ratio key
 
 
@@ -58,13 +55,6 @@ def fetch(pending: list[Pending]) -> list[np.ndarray]:
     return [out[i] for i in range(len(pending))]
 
 
-def pseudo(a: torch.Tensor) -> torch.Tensor:
-    """Non-zero finite float32 magnitude bits ``a`` as ``(E << 23) + f`` with the value ``2^(E - 127) *
-    (1 + f / 2^23)``: ``a`` itself when normal; a subnormal's ``float(a)`` (exact) less 149 binades (E <= 0,
-    still ordered and shifted right as two's complement)."""
-    return torch.where(a < _NORMAL, a.float().view(torch.int32) - (149 << 23), a)
-
-
 def values(x: torch.Tensor) -> Pending:
     """The histogram of the flat, non-empty float32 ``x`` (``values_many`` of one tensor)."""
     return values_many([x])[0]
@@ -81,10 +71,7 @@ def values_many(xs: list[torch.Tensor]) -> list[Pending]:
     pseudo bits plus its tensor's slot, one ``bincount``; the extremes over the finite non-zero bits."""
     flat, seg = _concat(xs)
     a = flat.view(torch.int32) & _MASK
-    finite = a < _INF
-    idx = torch.where(a == 0, vector.ZEROS,
-                      torch.where(finite, (pseudo(a) >> _SHIFT) + _OFFSET, vector.NONFINITE))  # fmt: skip
-    return _pending(idx, a, finite & (a > 0), seg, len(xs), ratio=False)
+    return _pending(core.value_slots(xp, a), a, (a < _INF) & (a > 0), seg, len(xs), ratio=False)
 
 
 def ratio_many(us: list[torch.Tensor], ws: list[torch.Tensor]) -> list[Pending]:
@@ -93,12 +80,9 @@ def ratio_many(us: list[torch.Tensor], ws: list[torch.Tensor]) -> list[Pending]:
     (apart), then zero u counted apart."""
     (u, seg), (w, _) = _concat(us), _concat(ws)
     au, aw = u.view(torch.int32) & _MASK, w.view(torch.int32) & _MASK
-    pu, ew = pseudo(au), pseudo(aw) & ~0x7FFFFF
-    idx = ((pu >> _SHIFT) - (ew >> _SHIFT) + _RATIO_OFFSET).clamp(0, N_BINS - 1)
-    idx = torch.where(aw == 0, vector.APART, torch.where(au == 0, vector.ZEROS, idx))
-    idx = torch.where((au >= _INF) | (aw >= _INF), vector.NONFINITE, idx)
-    keys = pu.long() - ew.long() + vector.KEY_BIAS
-    return _pending(idx, keys, idx < N_BINS, seg, len(us), ratio=True)
+    idx, counted, s, pu = core.ratio_parts(xp, au, aw)
+    keys = (s.long() << 23) + (pu & 0x7FFFFF).long() + vector.KEY_BIAS
+    return _pending(idx, keys, counted, seg, len(us), ratio=True)
 
 
 def _concat(xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

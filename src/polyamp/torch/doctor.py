@@ -50,6 +50,7 @@ from ..doctor.taps import type_name as _type
 from ..errors import PolyampError
 from ..frameworks import detect
 from . import binning as _binning
+from . import xp
 from .binning import Part, Scratch, binned, binned_many, merged, ratio_binned, ratio_bits, settle
 
 _MASK, _INF = 0x7FFFFFFF, 0x7F800000
@@ -194,76 +195,9 @@ class _Meter:
 
 
 def measure_tensor(t: torch.Tensor, cast: _blocks.Cast) -> _blocks.Measured:
-    """``blocks.measure`` of a torch tensor, on its device with ``polyamp.torch.quantize``'s kernels: the
-    tensor as float32 cast and counted in a zero-padded blocked view (padding is zero: never counted)."""
-    x = t.detach()
-    x = (x if x.dtype == torch.float32 else x.float()).reshape(x.shape if x.ndim else (1,))
-    if not x.numel():
-        return _blocks.Measured()
-    block = cast.block_for(x.ndim)
-    xb, dims = _blocked(x, block if cast.scaling == "block" else ())
-    ab = xb.abs()
-    amax = ab.amax(dims, keepdim=True).cpu().numpy()  # NaN and inf propagate: a block to look at
-    if not np.isfinite(amax).all():
-        return _measure_nonfinite(x, xb, ab, dims, cast, block)
-    thr, scale = _blocks.plan(cast, amax, np.zeros(amax.shape, bool))
-    q = _cast(x, cast, block, scale)
-    qb, _ = _blocked(q, block if cast.scaling == "block" else ())
-    thr_t = torch.from_numpy(thr).to(x.device)
-    # all finite: a zero x casts to zero, so underflow = zeros of q - zeros of x (padding in both)
-    zx, zq, clip = torch.stack([(xb == 0).sum(), (qb == 0).sum(), (ab > thr_t).sum()]).tolist()
-    x64 = x.reshape(-1).double()
-    d = q.reshape(-1).double().sub_(x64)
-    return _blocks.Measured(x.numel(), 0, xb.numel() - zx, zq - zx, clip, 0, float(d.dot(d)),
-                            float(x64.dot(x64)))  # fmt: skip
-
-
-def _cast(x: torch.Tensor, cast: _blocks.Cast, block: tuple[int, ...], scale) -> torch.Tensor:
-    """``x`` cast by ``polyamp.torch.quantize`` as ``cast`` says (tensorwise at ``scale``), float32."""
-    from .quantize import quantize, quantize_blocks
-
-    if cast.scaling == "tensorwise":
-        s = torch.tensor(scale, dtype=torch.float32, device=x.device)
-        return quantize(x * s, cast.format, rounding=cast.rounding, saturate=True, seed=cast.seed).float() / s
-    axis = (-2, -1) if len(block) == 2 else -1
-    return quantize_blocks(x, cast.format, axis=axis, block=block, scale_rule=cast.scale_rule,
-                           rounding=cast.rounding, seed=cast.seed)  # fmt: skip
-
-
-def _measure_nonfinite(x, xb, ab, dims, cast: _blocks.Cast, block) -> _blocks.Measured:
-    """``measure_tensor`` of a tensor holding inf or NaN: finite amaxes, spoiled blocks, masks."""
-    finite = torch.isfinite(ab)
-    amax = torch.where(finite, ab, 0.0).amax(dims, keepdim=True)
-    bad = (~finite).sum(dims, keepdim=True) > 0
-    thr, scale = _blocks.plan(cast, amax.cpu().numpy(), bad.cpu().numpy())
-    qb, _ = _blocked(_cast(x, cast, block, scale), block if cast.scaling == "block" else ())
-    good = finite & ~bad if cast.scaling == "block" else finite  # tensorwise: no block turns NaN
-    nonzero = finite & (ab != 0)
-    ok = nonzero & good
-    thr_t = torch.from_numpy(thr).to(x.device)
-    d = torch.where(good, qb.double() - xb.double(), 0.0)
-    e = torch.where(good, ab, 0.0).double()
-    counts = torch.stack([(~finite).sum(), nonzero.sum(), (ok & (qb == 0)).sum(), (ok & (ab > thr_t)).sum(),
-                          (nonzero & ~good).sum()]).tolist()  # fmt: skip
-    nonfinite, nz, under, clip, spoiled = counts
-    return _blocks.Measured(x.numel(), nonfinite, nz, under, clip, spoiled, float((d * d).sum()),
-                            float((e * e).sum()))  # fmt: skip
-
-
-def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """``x`` zero-padded and viewed as blocks, and the dims a block spans: () -> the whole tensor one
-    block; (B,) -> blocks of B along the last axis; (16, 16) -> tiles of the last two axes."""
-    if not block:
-        return x.reshape(1, -1), (1,)
-    if len(block) == 1:
-        (b,) = block
-        x2 = x.reshape(-1, x.shape[-1])
-        x2 = torch.nn.functional.pad(x2, (0, -x2.shape[1] % b))
-        return x2.reshape(x2.shape[0], -1, b), (2,)
-    h, w = x.shape[-2:]
-    x3 = torch.nn.functional.pad(x.reshape(-1, h, w), (0, -w % block[1], 0, -h % block[0]))
-    tiles = (x3.shape[0], x3.shape[1] // block[0], block[0], x3.shape[2] // block[1], block[1])
-    return x3.reshape(tiles), (2, 4)
+    """``blocks.measure`` of a torch tensor, on its device (``blocks.measure_on`` over ``xp``, whose
+    measurement ops cast with ``polyamp.torch.quantize``'s kernels)."""
+    return _blocks.measure_on(xp, t, cast)
 
 
 def _bin_into(found, kind: str, named: list, scratch: Scratch) -> None:

@@ -15,7 +15,7 @@ same tensors blocked along the other GEMM dimension for block formats (TE keeps 
 column-wise copy; here the transposed tensor is blocked along its last axis, the same blocks, and
 stochastic rounding indexes the transposed tensor's elements) and the forward casts themselves for
 per-tensor scaling and NVFP4's 16x16 weight blocks. With ``hadamard=True`` (NVFP4) ``g^T`` and ``x^T``
-are first multiplied by the random Hadamard matrix in tiles of 16 along ``M`` (``hadamard.py``; ``M``
+are first multiplied by the random Hadamard matrix in tiles of 16 along ``M`` (``numerics/hadamard.py``; ``M``
 zero padded to a multiple of 16), so ``dW = Qb'(g^T H) @ Qf'(x^T H)^T``: ``H`` is orthogonal, and only
 the quantization error changes.
 A module that stores its weight ``(in, out)`` and computes ``x @ W`` (transformers' ``Conv1D``, GPT-2's
@@ -37,7 +37,7 @@ Quantization, bit-identical to the numpy core (``tests/test_torch_recipes.py``):
   this call's amax after the cast (TE's order), all-reduced (max) over the process group first when
   ``torch.distributed`` is initialized (``reduce_amax``, TE's default), so every rank keeps the same
   histories; the histories are in ``mp.state_dict()``;
-- block: ``polyamp.torch.quantize.quantize_blocks``; stochastic rounding draws its seed from a
+- block: ``polyamp.quantize_blocks`` (torch's route); stochastic rounding draws its seed from a
   counter of calls.
 """
 
@@ -53,11 +53,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import PolyampError
-from ..numerics import get_format
+from ..numerics import get_format, quantize, quantize_blocks
+from ..numerics.hadamard import hadamard_tiles
 from ..quantizer_state import QuantizerState
 from ..recipe_layers import RecipeLayers
-from .hadamard import hadamard_tiles
-from .quantize import quantize, quantize_blocks
 from .recipe_conv import is_conv, quantized_conv
 
 _FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

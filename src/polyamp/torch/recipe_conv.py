@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .hadamard import hadamard_tiles
+from ..numerics.hadamard import hadamard_tiles
 
 _FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _grad = torch.nn.grad

@@ -1,0 +1,116 @@
+"""jax's array primitives: the ops layer polyamp's framework-neutral algorithms run over.
+
+Only jax's vocabulary lives here (as in Keras 3's ``keras/src/backend/<name>/``): each algorithm
+(exact rounding and block formats, the doctor's binning, Hadamard tiles, the recipes' GEMM rule) is
+written once in the core over the functions of a module like this one. ``polyamp.frameworks.ops_of``
+finds this module from a jax.Array.
+"""
+
+from __future__ import annotations
+
+import jax
+
+NAME = "jax"
+
+
+def accepts(x) -> bool:
+    """Whether ``x`` is an array of this framework the core's algorithms take."""
+    return isinstance(x, jax.Array)
+
+
+def quantize(x, fmt, mode, saturate, seed):
+    """``polyamp.quantize`` on a jax array, its arguments checked by the core (``fmt`` a FloatFormat,
+    ``mode`` the rounding's code, ``seed`` an int or None)."""
+    from ..numerics.rounding import ROUNDINGS
+    from .quantize import quantize as run
+
+    return run(x, fmt, ROUNDINGS[mode], saturate, seed)
+
+
+def quantize_blocks(x, bf, axes, shape, rule, mode, seed):
+    """``polyamp.quantize_blocks`` on a jax array, its arguments checked by the core (``bf`` a BlockFormat,
+    ``axes`` / ``shape`` the blocked axes and block shape, ``rule`` the scale rule or None)."""
+    from ..numerics.rounding import ROUNDINGS
+    from .blocks64 import quantize_blocks as run
+
+    return run(x, bf.name, axes if len(axes) > 1 else axes[0], shape, rule, ROUNDINGS[mode], seed)
+
+
+# -- rounding and block formats ------------------------------------------------------------------------
+
+
+# -- binning (the doctor) ------------------------------------------------------------------------------
+# the measured block formats (``doctor.blocks.measure_on``, with ``doctor_measure.py``'s programs)
+def measured(t):
+    """``t``'s values as float32, at least one axis."""
+    x = jax.numpy.asarray(t).astype("float32")
+    return x.reshape(x.shape if x.ndim else (1,))
+
+
+def numel(x) -> int:
+    return int(x.size)
+
+
+def zero_pad_end(x, widths):
+    """``x`` zero padded at the end of each axis by ``widths``."""
+    return jax.numpy.pad(x, [(0, w) for w in widths])
+
+
+def float_bits(x):
+    """The bits of the float array ``x`` as the int of its width."""
+    return jax.lax.bitcast_convert_type(x, "int32" if x.dtype.itemsize == 4 else "int64")
+
+
+def int_float(a):
+    """The int array ``a`` converted to the float of its width."""
+    return a.astype("float32" if a.dtype.itemsize == 4 else "float64")
+
+
+def select(c, x, y):
+    return jax.numpy.where(c, x, y)
+
+
+def shift_right(x, n: int):
+    return x >> n
+
+
+def bit_and(x, m: int):
+    return x & m
+
+
+def clamp_int(x, lo: int, hi: int):
+    return jax.numpy.clip(x, lo, hi)
+
+
+# -- Hadamard tiles and the recipes' GEMM rule ---------------------------------------------------------
+def tensor_facts(x) -> tuple[str, tuple]:
+    """``x``'s dtype name and (static) shape."""
+    return x.dtype.name, tuple(x.shape)
+
+
+def float32_tiles(x, axis: int, tile: int):
+    """``x`` as float32, ``axis`` zero padded at its end to a multiple of ``tile`` and split in place into
+    ``[tiles, tile]``."""
+    v = x.astype(jax.numpy.float32)
+    pad = [(0, 0)] * v.ndim
+    pad[axis] = (0, -v.shape[axis] % tile)
+    v = jax.numpy.pad(v, pad)
+    return v.reshape(*v.shape[:axis], v.shape[axis] // tile, tile, *v.shape[axis + 1 :])
+
+
+def times(t, c):
+    """``t * c``, ``c`` a numpy float32 constant broadcast against ``t``."""
+    return t * c
+
+
+def butterfly(t, axis: int, h: int):
+    """In each group of ``2h`` along ``axis``, the first ``h`` (``a``) and the next ``h`` (``b``) become
+    ``a + b`` and ``a - b``."""
+    pairs = t.reshape(*t.shape[:axis], t.shape[axis] // (2 * h), 2, h, *t.shape[axis + 1 :])
+    a, b = (jax.lax.index_in_dim(pairs, i, axis + 1, keepdims=False) for i in (0, 1))
+    return jax.numpy.stack([a + b, a - b], axis=axis + 1).reshape(t.shape)
+
+
+def merge_tiles(t, axis: int):
+    """``t`` with ``axis`` and ``axis + 1`` merged into one."""
+    return t.reshape(*t.shape[:axis], t.shape[axis] * t.shape[axis + 1], *t.shape[axis + 2 :])
