@@ -73,7 +73,7 @@ def test_each_operand_is_quantized_as_the_core_does(spec, operand):
     x = wide({"input": X2, "weight": W, "grad": G}[operand], 2)
     x[3, :40] = 0.0
     for axis in (-1, 0):
-        got = jo.quantize(jnp.asarray(x), r, operand, axis)
+        got = jo.quantize_operand(jnp.asarray(x), r, operand, axis)
         fmt = r.backward_format if operand == "grad" else r.forward_format
         if r.kind != "block":
             want = recipes.quantize_tensorwise(x, fmt, recipes.current_scale(float(np.abs(x).max()), fmt))
@@ -92,7 +92,8 @@ def test_a_transposed_operand_rounded_to_nearest_is_the_same_program():
     r = recipes.parse_recipe("mxfp8")
     w = jnp.asarray(wide((48, 80), 8))  # a shape no other test quantizes
     before = blocks64.values_jit._cache_size()
-    assert same(jo.quantize(w, r, "weight", -1, transposed=True), jo.quantize(w, r, "weight", 0))
+    transposed = jo.quantize_operand(w, r, "weight", -1, transposed=True)
+    assert same(transposed, jo.quantize_operand(w, r, "weight", 0))
     assert blocks64.values_jit._cache_size() <= before + 1  # (before: a program for each)
 
 
@@ -106,7 +107,7 @@ def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
     dx, dw = vjp(jnp.asarray(g).reshape(2, 16, 96))
 
     def q(a, operand, axis):
-        return jnp.asarray(np.asarray(jo.quantize(jnp.asarray(a), r, operand, axis)))
+        return jnp.asarray(np.asarray(jo.quantize_operand(jnp.asarray(a), r, operand, axis)))
 
     def mm(a, b):
         return jax.lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=f32)

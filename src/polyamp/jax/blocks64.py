@@ -38,11 +38,11 @@ from jax import lax
 
 from ..numerics import blocks as _core_blocks
 from ..numerics.formats import FORMATS
+from ..numerics.stream import GOLDEN, M1, M2
 from . import quantize as _q
 
 _EXP64 = 0x7FF << 52
 _SIGN64 = 1 << 63
-_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
 def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = None,
@@ -212,8 +212,8 @@ def _exact_float32(v64):
 def _uniform(key, index):
     """``rounding._uniform53`` at each flat ``index``: splitmix64 of ``key + (index + 1) * golden``."""
     hi, lo = key
-    z = (hi.astype(jnp.uint64) << 32 | lo.astype(jnp.uint64)) + (index + np.uint64(1)) * np.uint64(_GOLDEN)
-    z = (z ^ (z >> 30)) * np.uint64(_M1)
-    z = (z ^ (z >> 27)) * np.uint64(_M2)
+    z = (hi.astype(jnp.uint64) << 32 | lo.astype(jnp.uint64)) + (index + np.uint64(1)) * np.uint64(GOLDEN)
+    z = (z ^ (z >> 30)) * np.uint64(M1)
+    z = (z ^ (z >> 27)) * np.uint64(M2)
     z = z ^ (z >> 31)
     return (z >> 11).astype(jnp.float64) * 2.0**-53

@@ -52,13 +52,13 @@ from ..numerics.grid import FLOAT64 as _FLOAT64
 from ..numerics.grid import Grid as _Grid
 from ..numerics.rounding import _MODE, INPUT_DTYPES, _result_dtype
 from ..numerics.rounding import arguments as _arguments
+from ..numerics.stream import GOLDEN, M1, M2
 from ..numerics.stream import mix as _mix
 
 # float dtype -> (exponent bits, mantissa bits)
 _LAYOUT = {np.dtype(np.float16): (5, 10), np.dtype(ml_dtypes.bfloat16): (8, 7),
            np.dtype(np.float32): (8, 23), np.dtype(np.float64): (11, 52)}  # fmt: skip
 _UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _NEAREST, _STOCHASTIC, _TOWARD_ZERO = _MODE["nearest"], _MODE["stochastic"], _MODE["toward_zero"]
 
 
@@ -280,9 +280,9 @@ class _Stream:
     def __init__(self, key: tuple[jax.Array, jax.Array], shape) -> None:
         n = int(np.prod(shape, dtype=np.int64))
         i = (lax.iota(jnp.uint32, max(n, 1))[:n] + np.uint32(1)).reshape(shape)
-        zh, zl = _mul64(jnp.zeros_like(i), i, _GOLDEN)
+        zh, zl = _mul64(jnp.zeros_like(i), i, GOLDEN)
         zh, zl = _add64(zh, zl, *key)
-        for shift, mult in ((30, _M1), (27, _M2)):
+        for shift, mult in ((30, M1), (27, M2)):
             zh, zl = _mul64(*_xor_shr(zh, zl, shift), mult)
         zh, zl = _xor_shr(zh, zl, 31)
         self.hi = zh >> 11  # z53 = (hi, lo): 21 + 32 bits

@@ -15,7 +15,7 @@ the recipe, as ``polyamp/torch/recipe.py`` describes, in a ``jax.custom_vjp``:
 Each operand is quantized as torch's layout has it (``w^T`` for the forward weight, ``x^T`` and ``g^T``
 for the weight gradient, blocked along their last axis), so stochastic rounding indexes the same
 elements as torch's recipe; the transposed operands are never copied: ``w``, ``x`` and ``g`` are blocked
-along their axis 0 in place, indexed as their transposes (``quantize(..., transposed=True)``). With
+along their axis 0 in place, indexed as their transposes (``quantize_operand(..., transposed=True)``). With
 ``hadamard=True`` (NVFP4) ``x^T`` and ``g^T`` are first multiplied by the random Hadamard matrix in
 tiles of 16 along ``M`` (:func:`hadamard_tiles`, ``polyamp/numerics/hadamard.py``'s
 float32 butterfly; ``M`` zero padded to a multiple of 16).
@@ -58,7 +58,7 @@ from ..numerics.hadamard import hadamard_tiles
 from ..recipe_layers import RecipeLayers
 from ..recipes import Recipe, recipe_spec
 from .recipe_conv import conv
-from .recipe_operands import amax_of, quantize, refuse_gradient
+from .recipe_operands import amax_of, quantize_operand, refuse_gradient
 from .recipe_state import OPERANDS, Run, active, calls_per_matmul, keeps_state, seed_key
 from .scopes import layer_of, name_scopes
 
@@ -270,9 +270,10 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
 
     def forward(x, w, sx=None, sw=None, sg=None, calls=None):
         kx, kw = keys(calls, False, 2)
-        xq = quantize(x, recipe, "input", -1, sx if delayed else None, kx) if fq else x
+        xq = quantize_operand(x, recipe, "input", -1, sx if delayed else None, kx) if fq else x
         # torch's layout: its weight is w^T [N, K], blocked along K (its elements index a random stream)
-        wq = quantize(w, recipe, "weight", -1, sw if delayed else None, kw, transposed=True) if fq else w
+        wq = w if not fq else quantize_operand(w, recipe, "weight", -1, sw if delayed else None, kw,
+                                               transposed=True)
         amaxes = (amax_of(x.astype(_F32)), amax_of(w.astype(_F32))) if delayed else ()
         return matmul(xq, wq).astype(output), (x, w, xq, wq, sg, calls, amaxes)
 
@@ -284,20 +285,20 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
         g2, x2 = g.reshape(-1, n), x.reshape(-1, k)
         ks = iter(keys(calls, True, calls_per_matmul(recipe)[1]))
         sg = sg if delayed else None
-        once = quantize(g2, recipe, "grad", -1, sg, next(ks)) if (bq or wq_) and not block else None
+        once = quantize_operand(g2, recipe, "grad", -1, sg, next(ks)) if (bq or wq_) and not block else None
         gq, w_op = g2, w
         if bq:
-            gq = quantize(g2, recipe, "grad", -1, None, next(ks)) if block else once
+            gq = quantize_operand(g2, recipe, "grad", -1, None, next(ks)) if block else once
             w_op = wq
             if block and not recipe.weight_2d:  # torch's W^T, w here, blocked along N
-                w_op = quantize(w, recipe, "weight", -1, None, next(ks))
+                w_op = quantize_operand(w, recipe, "weight", -1, None, next(ks))
         dx = matmul(gq, w_op.T).reshape(x.shape).astype(x.dtype)
         x_op, g_op = x2, g2
         if wq_:  # the operands g^T and x^T of dW = (g^T x)^T, blocked along M (Hadamard tiles first)
             gm, xm = (hadamard_tiles(g2, 0), hadamard_tiles(x2, 0)) if recipe.hadamard else (g2, x2)
-            g_op = quantize(gm, recipe, "grad", 0, None, next(ks), transposed=True) if block else once
+            g_op = quantize_operand(gm, recipe, "grad", 0, None, next(ks), transposed=True) if block else once
             x_op = (
-                quantize(xm, recipe, "input", 0, None, next(ks), transposed=True)
+                quantize_operand(xm, recipe, "input", 0, None, next(ks), transposed=True)
                 if block
                 else xq.reshape(-1, k)
             )

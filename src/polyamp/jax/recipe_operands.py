@@ -51,7 +51,8 @@ def amax_of(x32):
     return jnp.max(jnp.abs(x32)) if x32.size else jnp.float32(0)
 
 
-def quantize(x, recipe: Recipe, operand: str, axis: int, scale=None, key=None, transposed: bool = False):
+def quantize_operand(x, recipe: Recipe, operand: str, axis: int, scale=None, key=None,
+                     transposed: bool = False):
     """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"), blocks
     along ``axis`` (NVFP4 weights: 16x16 tiles); float32. ``scale``: a delayed recipe's scale; ``key``:
     the stream key of stochastic rounding's seed (without it the recipe must round to nearest);

@@ -42,8 +42,9 @@ from jax import lax
 
 from ..errors import PolyampError
 from ..numerics import get_format
+from ..numerics.stream import GOLDEN, M1, M2
 from ..recipes import DelayedScaling, Recipe
-from .quantize import _GOLDEN, _M1, _M2, _add64, _mul64, _xor_shr
+from .quantize import _add64, _mul64, _xor_shr
 
 OPERANDS = ("input", "weight", "grad")
 
@@ -208,9 +209,9 @@ def seed_key(calls, position: int):
     pair, from a traced uint32 ``calls``: the key ``quantize`` makes from that seed on the host."""
     lo = calls.astype(jnp.uint32) + np.uint32(position)
     hi = (lo < np.uint32(position)).astype(jnp.uint32)  # the carry into bit 32
-    z = _add64(hi, lo, np.uint32(_GOLDEN >> 32), np.uint32(_GOLDEN & 0xFFFFFFFF))
-    z = _mul64(*_xor_shr(*z, 30), _M1)
-    z = _mul64(*_xor_shr(*z, 27), _M2)
+    z = _add64(hi, lo, np.uint32(GOLDEN >> 32), np.uint32(GOLDEN & 0xFFFFFFFF))
+    z = _mul64(*_xor_shr(*z, 30), M1)
+    z = _mul64(*_xor_shr(*z, 27), M2)
     return _xor_shr(*z, 31)
 
 

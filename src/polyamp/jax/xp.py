@@ -18,7 +18,7 @@ def accepts(x) -> bool:
     return isinstance(x, jax.Array)
 
 
-def quantize(x, fmt, mode, saturate, seed):
+def round_to_format(x, fmt, mode, saturate, seed):
     """``polyamp.quantize`` on a jax array, its arguments checked by the core (``fmt`` a FloatFormat,
     ``mode`` the rounding's code, ``seed`` an int or None)."""
     from ..numerics.rounding import ROUNDINGS
@@ -27,7 +27,7 @@ def quantize(x, fmt, mode, saturate, seed):
     return run(x, fmt, ROUNDINGS[mode], saturate, seed)
 
 
-def quantize_blocks(x, bf, axes, shape, rule, mode, seed):
+def round_to_blocks(x, bf, axes, shape, rule, mode, seed):
     """``polyamp.quantize_blocks`` on a jax array, its arguments checked by the core (``bf`` a BlockFormat,
     ``axes`` / ``shape`` the blocked axes and block shape, ``rule`` the scale rule or None)."""
     from ..numerics.rounding import ROUNDINGS

@@ -25,7 +25,7 @@ def accepts(x) -> bool:
     return isinstance(x, mx.nd.NDArray)
 
 
-def quantize(x, fmt, mode, saturate, seed):
+def round_to_format(x, fmt, mode, saturate, seed):
     """``polyamp.quantize`` on an MXNet NDArray, its arguments checked by the core (``fmt`` a FloatFormat,
     ``mode`` the rounding's code, ``seed`` an int or None): the float64 route, on ``x``'s context."""
     from ..numerics.rounding import _result_name
@@ -35,7 +35,7 @@ def quantize(x, fmt, mode, saturate, seed):
     return _output(out, _result_name(name, fmt), x)
 
 
-def quantize_blocks(x, bf, axes, shape, rule, mode, seed):
+def round_to_blocks(x, bf, axes, shape, rule, mode, seed):
     """``polyamp.quantize_blocks`` on an MXNet NDArray, its arguments checked by the core (``bf`` a
     BlockFormat, ``axes`` / ``shape`` the blocked axes and block shape, ``rule`` the scale rule or None):
     the float64 route; it reads two per-block flags and, for float64 NVFP4, the global amax."""

@@ -162,7 +162,7 @@ def quantize_blocks(x, fmt: str, axis=-1, block=None, scale_rule: str | None = N
     if ops is not None:
         bf, mode, seed, rule = arguments(fmt, scale_rule, rounding, seed)
         shape = _block_shape(bf, block)
-        return ops.quantize_blocks(x, bf, _axes(axis, _ndim(x), len(shape)), shape, rule, mode, seed)
+        return ops.round_to_blocks(x, bf, _axes(axis, _ndim(x), len(shape)), shape, rule, mode, seed)
     enc = _Encoding.of(x, fmt, axis, block, scale_rule, rounding, seed)
     return _values(enc.axes, enc.block, enc.elements, enc.scales, enc.global_scale, enc.dtype)
 

@@ -75,7 +75,7 @@ def quantize(x, fmt, rounding: str = "nearest", saturate: bool = False, seed: in
     ops = _framework_tensor(x)
     fmt, mode, saturate, seed = arguments(fmt, rounding, saturate, seed)
     if ops is not None:
-        return ops.quantize(x, fmt, mode, saturate, seed)
+        return ops.round_to_format(x, fmt, mode, saturate, seed)
     out = _quantize_array(_as_float_array(x), fmt, mode, saturate, seed or 0)
     return out[()] if out.ndim == 0 else out
 

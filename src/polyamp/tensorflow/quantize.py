@@ -41,6 +41,7 @@ from ..numerics.grid import FLOAT64 as _FLOAT64
 from ..numerics.grid import Grid as _Grid
 from ..numerics.rounding import _MODE, _result_name
 from ..numerics.rounding import arguments as _arguments
+from ..numerics.stream import GOLDEN, M1, M2
 from ..numerics.stream import mix as _mix
 
 # float dtype -> (exponent bits, mantissa bits, unsigned dtype of its width)
@@ -48,7 +49,6 @@ _LAYOUT = {tf.float16: (5, 10, tf.uint16), tf.bfloat16: (8, 7, tf.uint16),
            tf.float32: (8, 23, tf.uint32), tf.float64: (11, 52, tf.uint64)}  # fmt: skip
 _INPUT_NAMES = ", ".join(d.name for d in _LAYOUT)
 _U, _I = tf.uint64, tf.int32
-_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _NEAREST, _STOCHASTIC, _TOWARD_ZERO = _MODE["nearest"], _MODE["stochastic"], _MODE["toward_zero"]
 
 
@@ -89,9 +89,9 @@ def key_of(seed):
     an integer tensor (a step counter in a ``tf.Variable``)."""
     if isinstance(seed, (int, np.integer)):
         return tf.constant(_mix(int(seed)), _U)
-    z = tf.cast(seed, _U) + _c(_GOLDEN)
-    z = (z ^ _shr_c(z, 30)) * _c(_M1)
-    z = (z ^ _shr_c(z, 27)) * _c(_M2)
+    z = tf.cast(seed, _U) + _c(GOLDEN)
+    z = (z ^ _shr_c(z, 30)) * _c(M1)
+    z = (z ^ _shr_c(z, 27)) * _c(M2)
     return z ^ _shr_c(z, 31)
 
 
@@ -309,9 +309,9 @@ class _Stream:
             shape = tf.shape(x, out_type=tf.int64)
             n = tf.reduce_prod(shape)
         i = tf.reshape(tf.cast(tf.range(1, n + 1, dtype=tf.int64), _U), shape)
-        z = key + i * _c(_GOLDEN)
-        z = (z ^ _shr_c(z, 30)) * _c(_M1)
-        z = (z ^ _shr_c(z, 27)) * _c(_M2)
+        z = key + i * _c(GOLDEN)
+        z = (z ^ _shr_c(z, 30)) * _c(M1)
+        z = (z ^ _shr_c(z, 27)) * _c(M2)
         self.z53 = _shr_c(z ^ _shr_c(z, 31), 11)
 
     def below(self, rem, s) -> tf.Tensor:

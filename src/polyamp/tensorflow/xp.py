@@ -20,7 +20,7 @@ def accepts(x) -> bool:
     return isinstance(x, (tf.Tensor, tf.Variable))
 
 
-def quantize(x, fmt, mode, saturate, seed):
+def round_to_format(x, fmt, mode, saturate, seed):
     """``polyamp.quantize`` on a tensorflow array, its arguments checked by the core (``fmt`` a
     FloatFormat, ``mode`` the rounding's code, ``seed`` an int or None)."""
     from ..numerics.rounding import ROUNDINGS
@@ -29,7 +29,7 @@ def quantize(x, fmt, mode, saturate, seed):
     return run(x, fmt, ROUNDINGS[mode], saturate, seed)
 
 
-def quantize_blocks(x, bf, axes, shape, rule, mode, seed):
+def round_to_blocks(x, bf, axes, shape, rule, mode, seed):
     """``polyamp.quantize_blocks`` on a tensorflow array, its arguments checked by the core (``bf`` a
     BlockFormat, ``axes`` / ``shape`` the blocked axes and block shape, ``rule`` the scale rule or None)."""
     from ..numerics.rounding import ROUNDINGS

@@ -29,7 +29,7 @@ _EXP64 = 0x7FF << 52
 _NEAREST, _STOCHASTIC = exact_float.NEAREST, exact_float.STOCHASTIC
 
 
-def quantize_blocks(ops, x: torch.Tensor, bf, axes, shape, rule, mode: int, seed: int):
+def fast_blocks(ops, x: torch.Tensor, bf, axes, shape, rule, mode: int, seed: int):
     """The values of ``quantize_blocks`` (arguments checked) when ``x`` (no wider than float32) is whole
     blocks of a plane (``_plane``) and the format and rounding have a pass here; else None. ``ops``: torch's
     ops module (``polyamp.torch.xp``)."""

@@ -23,7 +23,7 @@ def accepts(x) -> bool:
     return isinstance(x, torch.Tensor)
 
 
-def quantize(x, fmt, mode, saturate, seed):
+def round_to_format(x, fmt, mode, saturate, seed):
     """``polyamp.quantize`` on a torch tensor, its arguments checked by the core (``fmt`` a FloatFormat,
     ``mode`` the rounding's code, ``seed`` an int or None): the float64 route, on ``x``'s device; the result
     never requires grad."""
@@ -34,7 +34,7 @@ def quantize(x, fmt, mode, saturate, seed):
     return out.to(_TORCH[_result_name(_NAMES[x.dtype], fmt)])
 
 
-def quantize_blocks(x, bf, axes, shape, rule, mode, seed):
+def round_to_blocks(x, bf, axes, shape, rule, mode, seed):
     """``polyamp.quantize_blocks`` on a torch tensor, its arguments checked by the core (``bf`` a
     BlockFormat, ``axes`` / ``shape`` the blocked axes and block shape, ``rule`` the scale rule or None):
     whole blocks no wider than float32 take ``block_plane``'s measured fast path, else the float64 route."""
@@ -43,7 +43,7 @@ def quantize_blocks(x, bf, axes, shape, rule, mode, seed):
     x = _tensor(x, "quantize_blocks")
     wide = x.dtype == torch.float64
     ops = sys.modules[__name__]
-    fast = None if wide else block_plane.quantize_blocks(ops, x, bf, axes, shape, rule, mode, seed or 0)
+    fast = None if wide else block_plane.fast_blocks(ops, x, bf, axes, shape, rule, mode, seed or 0)
     if fast is not None:
         return fast
     x64 = x.to(torch.float64)
