@@ -228,8 +228,12 @@ class MixedPrecision:
         state in that library's own form instead (``polyamp.native.to_native``)."""
         if native is not None:
             return to_native(self.loss_scale, self.state, native)
-        return {"policy": self.policy.name, "loss_scale": self.loss_scale.as_dict(),
-                "state": self.state.as_dict()}  # fmt: skip
+        out = {"policy": self.policy.name, "loss_scale": self.loss_scale.as_dict(),
+               "state": self.state.as_dict()}  # fmt: skip
+        recipe = self._recipe_state() if self.recipe is not None else None
+        if recipe is not None:
+            out["recipe"] = {"name": recipe_spec(self.recipe), "state": recipe}
+        return out
 
     def load_state_dict(self, state: Any) -> None:
         """Restore the loss-scale state saved by ``state_dict``, or by a native scaler (a torch
@@ -237,8 +241,29 @@ class MixedPrecision:
         ``DynamicLossScale``, a DeepSpeed scaler state; see ``polyamp.native``).
 
         This run's loss-scale settings are kept (``GradScaler`` adopts the saved ones instead);
-        a RuntimeWarning names the settings that differ from the checkpoint's.
+        a RuntimeWarning names the settings that differ from the checkpoint's. A recipe's state
+        (``"recipe"``) is checked before anything is restored and applied after the loss scale.
         """
+        saved = self._saved_recipe(state)
+        finish = self._recipe_loader(saved.get("state")) if saved is not None else None
+        if isinstance(state, dict):
+            state = {k: v for k, v in state.items() if k != "recipe"}
+        self._load_loss_scale(state)
+        if finish is not None:
+            finish()
+
+    def _recipe_state(self) -> dict | None:
+        """The recipe's state for ``state_dict`` (``{"calls": n, "delayed": {...}}``); a front end with
+        recipes overrides it."""
+        return None
+
+    def _recipe_loader(self, state: Any):
+        """A callable that restores a checkpoint's recipe state (checked here, before the loss scale is
+        restored, where the front end can)."""
+        raise PolyampError(f"the checkpoint holds a recipe state, which polyamp.{self.framework} does not "
+                           "restore")  # fmt: skip
+
+    def _load_loss_scale(self, state: Any) -> None:
         if not (isinstance(state, dict) and "state" in state and "policy" in state):
             if not isinstance(self.loss_scale, DynamicLossScale):
                 raise PolyampError(

@@ -44,7 +44,6 @@ from jax import lax
 from ..errors import PolyampError, UnsupportedError
 from ..mixed_precision import MixedPrecision as _Base
 from ..mixed_precision import WrongIdiomError
-from ..recipes import recipe_spec
 from ..scaling import COUNTERS, LossScaleState, NoLossScale
 from . import autocast as _autocast
 from . import recipe_state as _recipe_state
@@ -159,24 +158,14 @@ class MixedPrecision(_Base):
         self.loss_scale.check(self.state, skipped_before=before)
         return self.state
 
-    def state_dict(self, native: str | None = None):
-        """``polyamp.MixedPrecision.state_dict``, plus the recipe's state as of the last ``mp.sync``
-        (``{"calls": n, "delayed": {"layer|operand": DelayedScaling.state_dict()}}``, torch's form)."""
-        out = super().state_dict(native)
-        if native is None and self.recipe is not None:
-            host = _recipe_state.host_state_dict(self._recipe_host)
-            out["recipe"] = {"name": recipe_spec(self.recipe), "state": host}
-        return out
+    def _recipe_state(self) -> dict:
+        """The recipe's state as of the last ``mp.sync``, in torch's form (``mp.init()`` starts from a
+        loaded one)."""
+        return _recipe_state.host_state_dict(self._recipe_host)
 
-    def load_state_dict(self, state) -> None:
-        """``polyamp.MixedPrecision.load_state_dict``, plus the recipe's state: ``mp.init()`` then
-        starts from both."""
-        saved = self._saved_recipe(state)
-        host = _recipe_state.load_host(self.recipe, saved.get("state")) if saved is not None else None
-        super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
-                                if isinstance(state, dict) else state)  # fmt: skip
-        if saved is not None:
-            self._recipe_host = host
+    def _recipe_loader(self, state):
+        host = _recipe_state.load_host(self.recipe, state)
+        return lambda: setattr(self, "_recipe_host", host)
 
     def grad(self, fn, **kwargs):
         """Like ``jax.grad`` of a scalar loss: ``f(*args, state=state)`` returns

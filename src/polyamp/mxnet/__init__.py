@@ -89,20 +89,12 @@ class MixedPrecision(EagerMixedPrecision):
         self._recipe_layers.warn_if_none("MXNet Gluon", "mp.watch")
         return model
 
-    def state_dict(self, native: str | None = None) -> Any:
-        """``polyamp.MixedPrecision.state_dict``, plus the recipe's state (delayed-scaling histories, the
-        stochastic-rounding counter)."""
-        out = super().state_dict(native)
-        if native is None and self._quantizer is not None:
-            out["recipe"] = {"name": recipe_spec(self.recipe), "state": self._quantizer.state_dict()}
-        return out
+    def _recipe_state(self) -> dict | None:
+        """The recipe's delayed-scaling histories and stochastic-rounding counter."""
+        return None if self._quantizer is None else self._quantizer.state_dict()
 
-    def load_state_dict(self, state: Any) -> None:
-        saved = self._saved_recipe(state)
-        super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
-                                if isinstance(state, dict) else state)  # fmt: skip
-        if saved is not None:
-            self._quantizer.load_state_dict(saved["state"])
+    def _recipe_loader(self, state: Any):
+        return lambda: self._quantizer.load_state_dict(state)
 
     def trainer(self, trainer: Any):
         """Prepare a ``gluon.Trainer`` for loss scaling (it must not update on the kvstore);

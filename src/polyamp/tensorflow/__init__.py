@@ -193,22 +193,15 @@ class MixedPrecision(_Base):
             self._recipe_layers.warn_if_none("Keras", "mp.watch")
         return model
 
-    def state_dict(self, native: str | None = None) -> Any:
-        """``polyamp.MixedPrecision.state_dict``, plus the recipe's state (counter, amax histories)."""
-        out = super().state_dict(native)
-        if native is None and self._quantizer is not None:
-            out["recipe"] = {"name": recipe_spec(self.recipe), "state": self._quantizer.state_dict()}
-        return out
+    def _recipe_state(self) -> dict | None:
+        """The recipe's counter and amax histories."""
+        return None if self._quantizer is None else self._quantizer.state_dict()
 
-    def load_state_dict(self, state: Any) -> None:
-        saved = self._saved_recipe(state)
-        if saved is not None and self._dense is None and saved["state"].get("delayed"):
+    def _recipe_loader(self, state: Any):
+        if self._dense is None and isinstance(state, dict) and state.get("delayed"):
             raise PolyampError("the checkpoint holds amax histories of a model's layers: call "
                                "mp.watch(model) before mp.load_state_dict(...)")  # fmt: skip
-        super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
-                                if isinstance(state, dict) else state)  # fmt: skip
-        if saved is not None:
-            self._quantizer.load_state_dict(saved["state"])
+        return lambda: self._quantizer.load_state_dict(state)
 
     def _check_kept(self) -> None:
         if self._quantizer is not None and self._dense is None:

@@ -72,19 +72,12 @@ class MixedPrecision(EagerMixedPrecision):
             self.ops.check_device(device)
         return autocast(self._quantizer, self._layers, device or self.device or default_device())
 
-    def state_dict(self, native: str | None = None) -> Any:
-        """``polyamp.MixedPrecision.state_dict``, plus the recipe's state (delayed-scaling histories)."""
-        out = super().state_dict(native)
-        if native is None and self._quantizer is not None:
-            out["recipe"] = {"name": recipe_spec(self.recipe), "state": self._quantizer.state_dict()}
-        return out
+    def _recipe_state(self) -> dict | None:
+        """The recipe's delayed-scaling histories and rounding counter."""
+        return None if self._quantizer is None else self._quantizer.state_dict()
 
-    def load_state_dict(self, state: Any) -> None:
-        saved = self._saved_recipe(state)
-        super().load_state_dict({k: v for k, v in state.items() if k != "recipe"}
-                                if isinstance(state, dict) else state)  # fmt: skip
-        if saved is not None:
-            self._quantizer.load_state_dict(saved["state"])
+    def _recipe_loader(self, state: Any):
+        return lambda: self._quantizer.load_state_dict(state)
 
     # -- pickling ----------------------------------------------------------------------------------
     # what binds the object to this process's tensors and modules: rebuilt by the next mp.watch / step
