@@ -119,4 +119,15 @@ class MixedPrecision(EagerMixedPrecision):
         return self._unscale_early(optimizer)
 
 
-__all__ = ["MixedPrecision", "TorchOps"]
+def given_or_made(policy: Any, kwargs: dict) -> MixedPrecision:
+    """The ready ``MixedPrecision`` a host plug-in was given, or one made from a policy or recipe name
+    and its keywords (Lightning, the HF Trainer, Accelerate)."""
+    if isinstance(policy, MixedPrecision):
+        if kwargs:
+            raise PolyampError(f"give a policy with options ({', '.join(kwargs)}) or a ready MixedPrecision, "
+                               "not both")  # fmt: skip
+        return policy
+    return MixedPrecision(policy, framework="torch", **kwargs)
+
+
+__all__ = ["MixedPrecision", "TorchOps", "given_or_made"]

@@ -30,17 +30,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 
 from ..errors import PolyampError
 from ..step import StepResult
-from . import MixedPrecision
-
-
-def mixed_precision(policy: Any, kwargs: dict) -> MixedPrecision:
-    """A torch MixedPrecision from a policy or recipe name and its keywords, or the one given."""
-    if isinstance(policy, MixedPrecision):
-        if kwargs:
-            raise PolyampError(f"give a policy with options ({', '.join(kwargs)}) or a ready MixedPrecision, "
-                               "not both")  # fmt: skip
-        return policy
-    return MixedPrecision(policy, framework="torch", **kwargs)
+from . import MixedPrecision, given_or_made
 
 
 class Scaler:
@@ -99,7 +89,7 @@ class Accelerator(accelerate.Accelerator):
                                "unset")  # fmt: skip
         given = (("loss_scale", loss_scale), ("keep_fp32", keep_fp32), ("device", device))
         options = {k: v for k, v in given if v}
-        mp = mixed_precision(policy, options)
+        mp = given_or_made(policy, options)
         super().__init__(*args, **{**kwargs, "mixed_precision": "no"})
         self._adopt(mp)
 
@@ -163,4 +153,4 @@ def attach(accelerator: accelerate.Accelerator, mp: MixedPrecision) -> Accelerat
     return accelerator
 
 
-__all__ = ["Accelerator", "Scaler", "attach", "mixed_precision"]
+__all__ = ["Accelerator", "Scaler", "attach"]

@@ -19,7 +19,8 @@ from typing import Any
 import transformers
 
 from ..errors import PolyampError
-from .accelerate import attach, mixed_precision
+from . import given_or_made
+from .accelerate import attach
 
 
 class Trainer(transformers.Trainer):
@@ -28,7 +29,7 @@ class Trainer(transformers.Trainer):
     ``keep_fp32``, ``device``)."""
 
     def __init__(self, *args, precision: Any = "bf16-mixed", precision_options: dict | None = None, **kwargs):
-        self.mp = mixed_precision(precision, dict(precision_options or {}))
+        self.mp = given_or_made(precision, dict(precision_options or {}))
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:

@@ -36,19 +36,10 @@ from lightning.pytorch.plugins.precision import Precision as _TrainerBase
 
 from ..errors import PolyampError
 from ..step import StepResult
-from . import MixedPrecision
+from . import MixedPrecision, given_or_made
 
 # Lightning's own name for the compute a policy runs (``trainer.precision``); a recipe computes in bf16
 _LIGHTNING_NAME = {"float32": "32-true", "bfloat16": "bf16-mixed", "float16": "16-mixed"}
-
-
-def _mixed_precision(policy, kwargs: dict) -> MixedPrecision:
-    if isinstance(policy, MixedPrecision):
-        if kwargs:
-            raise PolyampError(f"give a policy with options ({', '.join(kwargs)}) or a ready MixedPrecision, "
-                               "not both")  # fmt: skip
-        return policy
-    return MixedPrecision(policy, framework="torch", **kwargs)
 
 
 def _lightning_name(mp: MixedPrecision) -> str:
@@ -68,7 +59,7 @@ class _Steps:
     """What both plugins share: the MixedPrecision, the record of the last step, the checkpoint hooks."""
 
     def _init(self, policy, kwargs: dict) -> None:
-        self.mp = _mixed_precision(policy, kwargs)
+        self.mp = given_or_made(policy, kwargs)
         self.precision = _lightning_name(self.mp)
         self.last_step: StepResult | None = None
         self.skipped = 0
