@@ -32,7 +32,7 @@ for p in $PARTS; do
     env) part env 30 bash -c "nvidia-smi -L; $PY -c 'import sys, numpy, torch; print(sys.version); \
 print(\"numpy\", numpy.__version__, \"torch\", torch.__version__, torch.cuda.get_device_name())'" ;;
     tests) part tests 120 "$PY" -m pytest -q -p no:cacheprovider -W ignore::RuntimeWarning tests/test_cuda.py \
-        tests/test_torch_quantize.py tests/test_doctor_torch.py tests/test_torch_recipes.py ;;
+        tests/test_quantize_frameworks.py tests/test_doctor_torch.py tests/test_torch_recipes.py ;;
     overhead) part overhead 90 "$PY" benchmarks/overhead_torch.py --device cuda --batch-mult 16 \
         --repeats 15 --fp16-repeats 15 ;;
     doctor) part doctor 60 "$PY" benchmarks/doctor_overhead_torch.py --device cuda --repeats 15 ;;

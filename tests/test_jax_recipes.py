@@ -301,7 +301,7 @@ def test_a_stateful_matmul_is_the_quantized_gemms_with_torchs_seeds(spec):
     two share their compiled quantizers); matmul 0 also under jit, the counter traced. The block
     quantizer is one jitted program taking the seed's key as an argument in both cases, and compiles
     slowly inlined in another: block recipes' seeds under jit are
-    test_steps_draw_the_seeds_and_scales_of_torchs_recipe's (NVFP4) and test_jax_quantize.py's
+    test_steps_draw_the_seeds_and_scales_of_torchs_recipe's (NVFP4) and test_quantize_frameworks.py's
     test_blocks_under_jit_and_3d (MX, stochastic)."""
     r = recipes.parse_recipe(spec)
     x, w, g = wide(X3, 13), wide(W, 14) / 8, wide(G, 15)

@@ -6,7 +6,7 @@ subnormals and float64 is off by default; its NVFP4 quotients are long divisions
 stochastic rounding). This route runs where float64 is on (``blocks_keyed`` enables it for
 the call) and follows the core's own float64 arithmetic, as torch's ``_mx_plane`` / ``_nvfp4_plane`` do:
 
-1. per block, exactly as ``quantize.py`` (integer ops on the per-block values: cheap): MX, the E8M0
+1. per block, as the integer route (``numerics.exact_int`` on the per-block values: cheap): MX, the E8M0
    exponent ``k`` (``scale = 2^k``); NVFP4, the float32 global scale ``g``, the e4m3 block scale ``s``
    (``scale = s * g``, exact in float64);
 2. each element as float64 from its bit pattern by integer ops (a float32 subnormal is a normal
@@ -37,9 +37,12 @@ import numpy as np
 from jax import lax
 
 from ..numerics import blocks as _core_blocks
-from ..numerics.formats import FORMATS
+from ..numerics import exact_int
+from ..numerics.exact_int import Num
+from ..numerics.grid import Grid
 from ..numerics.stream import GOLDEN, M1, M2
 from . import quantize as _q
+from . import xp_int
 
 _EXP64 = 0x7FF << 52
 _SIGN64 = 1 << 63
@@ -73,7 +76,7 @@ def blocks_keyed(x, key, bf, axes, shape, rule, mode, order=None):
         moved = tuple(order.index(a) for a in axes)
         return jnp.transpose(blocks_keyed(jnp.transpose(x, order), key, bf, moved, shape, rule, mode), back)
     # the element grid and the scale rule are traced, so one compilation serves every MX format
-    elem = _q._Grid.of(bf.element, True).arrays()
+    elem = Grid.of(bf.element, True).arrays()
     return _q._blocks_values(
         x, key, elem, np.int32(code), bf=None if mx else bf, axes=axes, shape=shape, mode=mode
     )
@@ -85,28 +88,22 @@ def values(x, key, bf, rule, axes, shape, stochastic: bool, order=None):
     ``SCALE_RULES`` (unused by NVFP4); ``key``: the stream's (hi, lo) key. ``order``: stochastic
     rounding indexes the elements by their flat position in ``x.transpose(order)`` (the recipes quantize
     ``g^T`` as ``g`` blocked along axis 0: no transposed copy); default ``x``'s."""
-    blocked = _split(_q._bits(x), axes, shape)
-    abs_bits = blocked & ~_q._sign_mask(x.dtype)
-    inf_bits = _q._inf_bits(x.dtype)
+    blocked = _split(xp_int.bits(x), axes, shape)
+    abs_bits = blocked & ~xp_int.sign_mask(x.dtype)
+    inf_bits = xp_int.inf_bits(x.dtype)
     amax_bits = jnp.max(abs_bits, axis=_inner(x.ndim, axes), keepdims=True, initial=0)
     bad = amax_bits >= inf_bits
-    amax = _q._decompose(
-        lax.bitcast_convert_type(jnp.where(bad, 0, amax_bits).astype(abs_bits.dtype), x.dtype), jnp.uint64
-    )
+    amax = exact_int.decompose_bits(xp_int, jnp.where(bad, 0, amax_bits), x.dtype, jnp.uint64)
     elem = bf.element
     if bf.scale.name == "e8m0fnu":
-        k = _q._mx_exponent(amax, _q._Grid.of(elem, True), np.int32(rule))
+        k = exact_int.mx_exponent(xp_int, amax, Grid.of(elem, True), np.int32(rule))
         scale = _pow2(k.astype(jnp.int64))
         lowest = jnp.min(jnp.where((amax_bits == 0) | bad, 127, k))
     else:
-        finite = jnp.where(abs_bits >= inf_bits, 0, abs_bits).astype(abs_bits.dtype)
-        gmax = lax.bitcast_convert_type(jnp.max(finite, initial=0), x.dtype)
-        g = _q._nvfp4_global(_q._decompose(gmax, jnp.uint64))
-        unit = _q._Num(g.neg, g.sig * 3, g.exp + 1, g.nan, g.inf)  # 6 * g, exact
-        s = _q._round(_q._divide(amax, _q._broadcast(unit, amax.sig.shape), bf.scale.mbits + 5),
-                      _q._Grid.of(bf.scale, True), _q._NEAREST, None)  # fmt: skip
-        scale = _float64(_q._Num(s.neg, s.sig * g.sig, s.exp + g.exp, s.nan, s.inf))
-        lowest = g.exp + _q._msb(g.sig) + bf.scale.emin - bf.scale.mbits  # the least s * g's exponent
+        g = exact_int.nvfp4_global_of_bits(xp_int, abs_bits, inf_bits, x.dtype, jnp.uint64)
+        s = exact_int.nvfp4_scales(xp_int, amax, g, bf)
+        scale = _float64(Num(s.neg, s.sig * g.sig, s.exp + g.exp, s.nan, s.inf))
+        lowest = g.exp + xp_int.msb(g.sig) + bf.scale.emin - bf.scale.mbits  # the least s * g's exponent
     # a result below 2^-126 needs the exact conversion; the conditional's operands are also where XLA
     # stops fusing: the per-block and global scales would otherwise be recomputed in every element's loop
     tiny = lowest + (elem.emin - elem.mbits) < -126
@@ -124,7 +121,7 @@ def _elements(bits, scale, key, *, elem, dtype, index, exact: bool):
     """Steps 2-4 (module docstring) for the blocked bit patterns ``bits`` and the per-block ``scale``
     (NaN for a bad block; NVFP4: 0 where ``s`` rounds to 0); ``index()``: the stream's flat indices
     (stochastic rounding), or None (nearest)."""
-    x64 = _float64(_q._decompose(lax.bitcast_convert_type(bits, dtype), jnp.uint64))
+    x64 = _float64(exact_int.decompose_bits(xp_int, bits, dtype, jnp.uint64))
     t = x64 / jnp.where((scale == 0) | jnp.isnan(scale), 1.0, scale)  # MX: by 2^k, exact
     t_bits = lax.bitcast_convert_type(t, jnp.uint64)
     a = jnp.abs(t)
@@ -189,11 +186,10 @@ def _index(full, order, axes, shape):
     return _split(index, axes, shape)
 
 
-def _float64(num: _q._Num):
-    """A finite ``_Num`` (uint64 significand) as float64, by its bit pattern."""
-    return _q._compose(
-        num._replace(nan=jnp.zeros_like(num.nan), inf=jnp.zeros_like(num.inf)), np.dtype(np.float64)
-    )
+def _float64(num: Num):
+    """A finite ``Num`` (uint64 significand) as float64, by its bit pattern."""
+    return exact_int.compose(xp_int, num._replace(nan=jnp.zeros_like(num.nan), inf=jnp.zeros_like(num.inf)),
+                             xp_int.FLOAT64)  # fmt: skip
 
 
 def _pow2(k):
@@ -203,10 +199,10 @@ def _pow2(k):
 
 def _exact_float32(v64):
     """float64 to float32 rounded to nearest even, subnormals included (XLA's conversion flushes them)."""
-    num = _q._decompose(v64, jnp.uint64)
-    return _q._compose(
-        _q._round(num, _q._Grid.of(FORMATS["fp32"], False), _q._NEAREST, None), np.dtype(np.float32)
-    )
+    num = exact_int.decompose(xp_int, v64, jnp.uint64)
+    rounded = exact_int.round_to_grid(xp_int, num, exact_int.FP32, exact_int.NEAREST, None)
+    return exact_int.compose(xp_int, rounded,
+                             xp_int.FLOAT32)  # fmt: skip
 
 
 def _uniform(key, index):

@@ -55,6 +55,7 @@ from jax.extend import core as jcore
 
 from ..errors import PolyampError
 from ..numerics.hadamard import hadamard_tiles
+from ..recipe_gemms import FORWARD, WEIGHT_GRAD, backward_operands, forward_operands
 from ..recipe_layers import RecipeLayers
 from ..recipes import Recipe, recipe_spec
 from .recipe_conv import conv
@@ -255,8 +256,6 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
     calls)``: the delayed scales and the step's call counter; the seeds are ``run``'s positions for
     matmul ``index``, and the backward rule returns the amaxes of ``x``, ``w`` and ``g`` as the
     cotangents of the three scales (``recipe_state.py``)."""
-    fq, bq, wq_ = recipe.quantize_forward, recipe.quantize_input_grad, recipe.quantize_weight_grad
-    block = recipe.kind == "block"
     delayed = recipe.kind == "delayed"
 
     def matmul(a, b):  # a [..., K] @ b [K, N]
@@ -268,12 +267,23 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
             return [None] * count
         return [seed_key(calls, run.seed_position(index, i, backward)) for i in range(count)]
 
+    def quantizer(keys, scales):
+        """``recipe_gemms``' quantize, each call with the next of ``keys``: each operand blocked along its
+        last axis as torch's layout has it (the forward's w^T, the weight gradient's x^T and g^T:
+        ``transposed``; the input gradient's torch W^T is w here)."""
+        keys = iter(keys)
+
+        def quantize(t, operand, gemm):
+            transposed = gemm == WEIGHT_GRAD or (gemm, operand) == (FORWARD, "weight")
+            scale = scales[operand] if delayed else None
+            return quantize_operand(t, recipe, operand, 0 if gemm == WEIGHT_GRAD else -1, scale, next(keys),
+                                    transposed=transposed)  # fmt: skip
+
+        return quantize
+
     def forward(x, w, sx=None, sw=None, sg=None, calls=None):
-        kx, kw = keys(calls, False, 2)
-        xq = quantize_operand(x, recipe, "input", -1, sx if delayed else None, kx) if fq else x
-        # torch's layout: its weight is w^T [N, K], blocked along K (its elements index a random stream)
-        wq = w if not fq else quantize_operand(w, recipe, "weight", -1, sw if delayed else None, kw,
-                                               transposed=True)
+        quantize = quantizer(keys(calls, False, 2), {"input": sx, "weight": sw})
+        xq, wq = forward_operands(recipe, quantize, x, w)
         amaxes = (amax_of(x.astype(_F32)), amax_of(w.astype(_F32))) if delayed else ()
         return matmul(xq, wq).astype(output), (x, w, xq, wq, sg, calls, amaxes)
 
@@ -283,25 +293,10 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
         x, w, xq, wq, sg, calls, amaxes = res
         n, k = w.shape[1], w.shape[0]
         g2, x2 = g.reshape(-1, n), x.reshape(-1, k)
-        ks = iter(keys(calls, True, calls_per_matmul(recipe)[1]))
-        sg = sg if delayed else None
-        once = quantize_operand(g2, recipe, "grad", -1, sg, next(ks)) if (bq or wq_) and not block else None
-        gq, w_op = g2, w
-        if bq:
-            gq = quantize_operand(g2, recipe, "grad", -1, None, next(ks)) if block else once
-            w_op = wq
-            if block and not recipe.weight_2d:  # torch's W^T, w here, blocked along N
-                w_op = quantize_operand(w, recipe, "weight", -1, None, next(ks))
+        quantize = quantizer(keys(calls, True, calls_per_matmul(recipe)[1]), {"grad": sg})
+        (gq, w_op), (g_op, x_op) = backward_operands(recipe, quantize, g2, x2, w, xq.reshape(-1, k), wq,
+                                                     hadamard=_hadamard_rows)  # fmt: skip
         dx = matmul(gq, w_op.T).reshape(x.shape).astype(x.dtype)
-        x_op, g_op = x2, g2
-        if wq_:  # the operands g^T and x^T of dW = (g^T x)^T, blocked along M (Hadamard tiles first)
-            gm, xm = (hadamard_tiles(g2, 0), hadamard_tiles(x2, 0)) if recipe.hadamard else (g2, x2)
-            g_op = quantize_operand(gm, recipe, "grad", 0, None, next(ks), transposed=True) if block else once
-            x_op = (
-                quantize_operand(xm, recipe, "input", 0, None, next(ks), transposed=True)
-                if block
-                else xq.reshape(-1, k)
-            )
         dw = matmul(x_op.T, g_op).astype(w.dtype)
         if run is None:
             return dx, dw
@@ -311,6 +306,10 @@ def dot(recipe: Recipe, compute, output, preferred, run: Run | None = None, inde
     fn = jax.custom_vjp(lambda *args: forward(*args)[0])
     fn.defvjp(forward, backward)
     return fn
+
+
+def _hadamard_rows(t, _operand: str):
+    return hadamard_tiles(t, 0)
 
 
 def kept_layers(jaxpr, keep: tuple[str, ...], weights=None) -> set[str]:

@@ -36,6 +36,7 @@ from jax.extend import core as jcore
 
 from ..numerics import blocks as _core_blocks
 from ..numerics.hadamard import hadamard_tiles
+from ..recipe_gemms import CONV_BLOCKED, backward_operands, forward_operands
 from ..recipes import Recipe
 from .blocks64 import blocks_keyed
 from .quantize import _key
@@ -73,12 +74,15 @@ def conv(recipe: Recipe, compute, output, preferred, params, run: Run | None = N
 
     With ``run`` the function takes ``(x, W, scale_x, scale_w, scale_g, calls)`` and returns the amaxes
     of ``x``, ``W`` and ``g`` as the scales' cotangents, as ``recipe.dot`` does."""
-    fq, bq, wq_ = recipe.quantize_forward, recipe.quantize_input_grad, recipe.quantize_weight_grad
-    block = recipe.kind == "block"
     delayed = recipe.kind == "delayed"
     numbers = params["dimension_numbers"]
     lhs, rhs, out = numbers.lhs_spec, numbers.rhs_spec, numbers.out_spec
-    w_forward = (rhs[0], rhs[1]) if recipe.weight_2d else (rhs[1],)
+    axes = {  # recipe_gemms.CONV_BLOCKED's dimensions of each operand, by the dimension numbers
+        "input": {"channels": (lhs[1],), "batch": (lhs[0],)},
+        "grad": {"channels": (out[1],), "batch": (out[0],)},
+        "weight": {"in_channels": (rhs[0], rhs[1]) if recipe.weight_2d else (rhs[1],),
+                   "out_channels": (rhs[0],)},
+    }  # fmt: skip
 
     def convolve(a, b, accumulate=compute):
         return lax.conv_general_dilated_p.bind(a, b, **{**params, "preferred_element_type": accumulate})
@@ -91,10 +95,23 @@ def conv(recipe: Recipe, compute, output, preferred, params, run: Run | None = N
             return [None] * count
         return [seed_key(calls, run.seed_position(index, i, backward)) for i in range(count)]
 
+    def quantizer(keys, scales):
+        """``recipe_gemms``' quantize, each call with the next of ``keys``."""
+        keys = iter(keys)
+
+        def quantize(t, operand, gemm):
+            scale = scales[operand] if delayed else None
+            return quantize_along(t, recipe, operand, axes[operand][CONV_BLOCKED[gemm, operand]], scale,
+                                  next(keys))  # fmt: skip
+
+        return quantize
+
+    def hadamard(t, operand):  # tiles of 16 along the batch axis
+        return hadamard_tiles(t, axes[operand]["batch"][0])
+
     def forward(x, w, sx=None, sw=None, sg=None, calls=None):
-        kx, kw = keys(calls, False, 2)
-        xq = quantize_along(x, recipe, "input", (lhs[1],), sx if delayed else None, kx) if fq else x
-        wq = quantize_along(w, recipe, "weight", w_forward, sw if delayed else None, kw) if fq else w
+        quantize = quantizer(keys(calls, False, 2), {"input": sx, "weight": sw})
+        xq, wq = forward_operands(recipe, quantize, x, w)
         amaxes = (amax_of(x.astype(_F32)), amax_of(w.astype(_F32))) if delayed else ()
         y = convolve(xq.astype(compute), wq.astype(compute), preferred)
         return y.astype(output), (x, w, xq, wq, sg, calls, amaxes)
@@ -103,25 +120,10 @@ def conv(recipe: Recipe, compute, output, preferred, params, run: Run | None = N
         if not trainable:
             refuse_gradient(recipe)
         x, w, xq, wq, sg, calls, amaxes = res
-        ks = iter(keys(calls, True, calls_per_matmul(recipe)[1]))
-        once = (
-            quantize_along(g, recipe, "grad", (), sg if delayed else None, next(ks))
-            if (bq or wq_) and not block
-            else None
-        )
-        gq, w_op = g, w
-        if bq:
-            gq = quantize_along(g, recipe, "grad", (out[1],), None, next(ks)) if block else once
-            w_op = wq
-            if block and not recipe.weight_2d:
-                w_op = quantize_along(w, recipe, "weight", (rhs[0],), None, next(ks))
+        quantize = quantizer(keys(calls, True, calls_per_matmul(recipe)[1]), {"grad": sg})
+        (gq, w_op), (g_op, x_op) = backward_operands(recipe, quantize, g, x, w, xq, wq, hadamard=hadamard)
         w_c = w_op.astype(compute)
         dx = transposed(lambda a: convolve(a, w_c), x, gq)
-        x_op, g_op = x, g
-        if wq_:
-            gm, xm = (hadamard_tiles(g, out[0]), hadamard_tiles(x, lhs[0])) if recipe.hadamard else (g, x)
-            g_op = quantize_along(gm, recipe, "grad", (out[0],), None, next(ks)) if block else once
-            x_op = quantize_along(xm, recipe, "input", (lhs[0],), None, next(ks)) if block else xq
         x_c = x_op.astype(compute)
         dw = transposed(lambda b: convolve(x_c, b), w, g_op)
         dx, dw = dx.astype(x.dtype), dw.astype(w.dtype)

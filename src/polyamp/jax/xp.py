@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import jax
 
+from .xp_int import bit_and as bit_and  # the integer vocabulary is part of these ops
+from .xp_int import clamp_int as clamp_int
+from .xp_int import select as select
+from .xp_int import shift_right as shift_right
+from .xp_int import zero_pad_end as zero_pad_end
+
 NAME = "jax"
 
 
@@ -36,9 +42,6 @@ def round_to_blocks(x, bf, axes, shape, rule, mode, seed):
     return run(x, bf.name, axes if len(axes) > 1 else axes[0], shape, rule, ROUNDINGS[mode], seed)
 
 
-# -- rounding and block formats ------------------------------------------------------------------------
-
-
 # -- binning (the doctor) ------------------------------------------------------------------------------
 # the measured block formats (``doctor.blocks.measure_on``, with ``doctor_measure.py``'s programs)
 def measured(t):
@@ -51,11 +54,6 @@ def numel(x) -> int:
     return int(x.size)
 
 
-def zero_pad_end(x, widths):
-    """``x`` zero padded at the end of each axis by ``widths``."""
-    return jax.numpy.pad(x, [(0, w) for w in widths])
-
-
 def float_bits(x):
     """The bits of the float array ``x`` as the int of its width."""
     return jax.lax.bitcast_convert_type(x, "int32" if x.dtype.itemsize == 4 else "int64")
@@ -64,22 +62,6 @@ def float_bits(x):
 def int_float(a):
     """The int array ``a`` converted to the float of its width."""
     return a.astype("float32" if a.dtype.itemsize == 4 else "float64")
-
-
-def select(c, x, y):
-    return jax.numpy.where(c, x, y)
-
-
-def shift_right(x, n: int):
-    return x >> n
-
-
-def bit_and(x, m: int):
-    return x & m
-
-
-def clamp_int(x, lo: int, hi: int):
-    return jax.numpy.clip(x, lo, hi)
 
 
 # -- Hadamard tiles and the recipes' GEMM rule ---------------------------------------------------------

@@ -16,6 +16,7 @@ from ..errors import PolyampError
 from ..numerics import exact_float
 from ..numerics.formats import get_format
 from ..numerics.rounding import _MODE, _rounding, _seed
+from ..recipes import current_scale_of
 from . import xp
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
@@ -23,17 +24,11 @@ with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated si
     import mxnet as mx
 
 mnp = mx.np
-_FLT_MAX = float(np.finfo(np.float32).max)
 
 
 def current_scale(amax, fmt, margin: int = 0, eps: float = 0.0):
     """``polyamp.recipes.current_scale`` of a float32 amax array (``mx.np``, any shape), as MXNet ops."""
-    scaled_max = float(np.float32(float(get_format(fmt).max) * 2.0**-margin))
-    a = amax.astype("float64")
-    a = mnp.where(a < xp.const(eps, a), xp.const(eps, a), a)
-    q = (xp.const(scaled_max, a) / a).astype("float32")  # the float64 quotient rounded once: as the core
-    q = mnp.where(mnp.isinf(q), xp.const(_FLT_MAX, q, "float32"), q)
-    return mnp.where(mnp.isfinite(a) & (a > 0), q, 1.0).astype("float32")
+    return current_scale_of(xp, amax, fmt, margin, eps)
 
 
 def amax(x) -> mx.np.ndarray:

@@ -4,7 +4,7 @@
 After ``mp.watch(net)`` of a ``MixedPrecision`` made from a recipe (``"fp8-tensorwise"``,
 ``"fp8-delayed"``, ``"mxfp8"``, ``"nvfp4"``), each ``gluon.nn.Dense`` of the net that the keep list
 leaves in runs its FullyConnected as three quantized GEMMs (an ``mx.autograd.Function``), as
-``polyamp/torch/recipe.py`` describes them:
+``polyamp/recipe_gemms.py`` states them (the rule, written once):
 
     forward        y  = Qf(x) @ Qf(W)^T (+ b)
     input grad     dx = Qb(g) @ Qf'(W)
@@ -49,6 +49,7 @@ import numpy as np
 
 from ..errors import PolyampError, UnsupportedError
 from ..numerics.hadamard import hadamard_tiles
+from ..recipe_gemms import INPUT_GRAD, backward_operands, forward_operands
 from ..recipe_layers import RecipeLayers
 from ..recipes import recipe_spec
 from . import recipe_graph as graph
@@ -82,9 +83,8 @@ class QuantizedDense(mx.autograd.Function):
 
     def forward(self, weight, *rest):
         bias, x = rest if len(rest) == 2 else (None, rest[0])
-        q, r = self.quantizer, self.quantizer.recipe
-        xq = q(x, self.layer, "input") if r.quantize_forward else x
-        wq = q(weight, self.layer, "weight") if r.quantize_forward else weight
+        quantize = _linear_operand(self.quantizer, self.layer)
+        xq, wq = forward_operands(self.quantizer.recipe, quantize, x, weight)
         self.save_for_backward(x, weight, xq, wq)
         self.dtypes = (dtype_name(x.dtype), dtype_name(weight.dtype), bias is not None)
         return _gemm(xq, wq, self.compute, bias)
@@ -94,28 +94,37 @@ class QuantizedDense(mx.autograd.Function):
         x_dtype, w_dtype, has_bias = self.dtypes
         # float32 (exact for bf16): MXNet 1.9's transpose of a bfloat16 NDArray corrupts the heap
         grad, x = like(grad, "float32"), like(x, "float32")
-        q, r, layer, compute = self.quantizer, self.quantizer.recipe, self.layer, self.compute
-        block = r.kind == "block"
-        wanted = (r.quantize_input_grad, r.quantize_weight_grad)
-        once = q(grad, layer, "grad") if any(wanted) and not block else None  # one cast, one scale
-        gq, w_op = grad, weight
-        if wanted[0]:  # g blocked along N; W along its output dimension N (the dgrad GEMM's K)
-            gq = q(grad, layer, "grad", axis=-1) if block else once
-            w_op = wq
-            if block and not r.weight_2d:  # W^T blocked along its last axis: the same blocks
-                w_op = q(weight.T, layer, "weight", axis=-1).T
-        dx = _gemm(gq, w_op.T, compute)
-        gt, xt = grad.T, x.T  # the wgrad GEMM dW = g^T x: operands g^T, x^T blocked along M
-        if wanted[1]:
-            if r.hadamard:  # NVFP4's RHT: both operands times H in tiles of 16 along M, then quantized
-                gt, xt = hadamard_tiles(gt), hadamard_tiles(xt)
-            gt = q(gt, layer, "grad", axis=-1) if block else once.T
-            xt = q(xt, layer, "input", axis=-1) if block else xq.T
-        dw = _gemm(gt, xt, compute)
+        quantize = _linear_operand(self.quantizer, self.layer)
+        dgrad, wgrad = backward_operands(self.quantizer.recipe, quantize, grad, x, weight, xq, wq,
+                                         hadamard=_hadamard, transpose=_transposed)  # fmt: skip
+        dx = _gemm(dgrad[0], dgrad[1].T, self.compute)
+        dw = _gemm(*wgrad, self.compute)  # dW = g^T x, its operands g^T and x^T
         out = [like(dw, w_dtype)]
         if has_bias:
             out.append(like(mx.nd.sum(grad, axis=0), w_dtype))
         return (*out, like(dx, x_dtype))
+
+
+def _linear_operand(quantizer: Quantizer, layer: str):
+    """``recipe_gemms``' quantize for FullyConnected's layouts (x [M, K], W [N, K], g [M, N], the weight
+    gradient's g^T and x^T): each operand blocked along its last axis; the input gradient's W as W^T,
+    the same blocks as the forward's."""
+
+    def quantize(t, operand: str, gemm: str):
+        if operand == "weight" and gemm == INPUT_GRAD:
+            return quantizer(t.T, layer, operand).T
+        return quantizer(t, layer, operand)
+
+    return quantize
+
+
+def _transposed(t):
+    return t.T
+
+
+def _hadamard(t, _operand: str):
+    """NVFP4's RHT of g^T or x^T: tiles of 16 along M, their last axis."""
+    return hadamard_tiles(t)
 
 
 class RecipeDense:

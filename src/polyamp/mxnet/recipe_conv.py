@@ -1,6 +1,6 @@
 """Emulated low-precision training in MXNet Gluon for ``nn.Conv1D`` / ``Conv2D`` / ``Conv3D`` (channels-first
 layouts, any ``groups``): the convolution's three implicit GEMMs quantized as ``polyamp.recipes`` defines
-them (its module docstring, microxcaling's layout)::
+them (its module docstring, microxcaling's layout; which operand is quantized how: ``recipe_gemms.py``)::
 
     forward      y  = conv(Qf(x), Qf(W)) (+ b)      x along its channels (1), W along its input channels (1)
     input grad   dx = conv_input(Qb(g), Qf'(W))     g along its channels (1), W along its output channels (0)
@@ -32,6 +32,7 @@ import functools
 import warnings
 
 from ..numerics.hadamard import hadamard_tiles
+from ..recipe_gemms import CONV_BLOCKED, FORWARD, backward_operands, forward_operands
 from . import recipe_graph as graph
 from .keep import _ORIGINAL_OPS, dtype_name
 from .recipe_operands import Quantizer, cast, like, restore_forward
@@ -117,10 +118,8 @@ class QuantizedConv(mx.autograd.Function):
 
     def forward(self, weight, *rest):
         bias, x = rest if len(rest) == 2 else (None, rest[0])
-        q, r = self.quantizer, self.quantizer.recipe
         w32 = like(weight, "float32")  # to transpose (a bfloat16 transpose corrupts MXNet 1.9's heap)
-        xq = along(q, x, self.layer, "input", 1) if r.quantize_forward else x
-        wq = weight_forward(q, w32, self.layer) if r.quantize_forward else w32
+        xq, wq = forward_operands(self.quantizer.recipe, _conv_operand(self.quantizer, self.layer), x, w32)
         self.save_for_backward(x, w32, xq, wq)
         self.dtypes = (dtype_name(x.dtype), dtype_name(weight.dtype), bias is not None)
         return _conv(xq, wq, self.compute, self.kwargs, bias)
@@ -129,20 +128,10 @@ class QuantizedConv(mx.autograd.Function):
         x, w32, xq, wq = self.saved_tensors
         x_dtype, w_dtype, has_bias = self.dtypes
         grad, x = like(grad, "float32"), like(x, "float32")
-        q, r, layer = self.quantizer, self.quantizer.recipe, self.layer
-        block = r.kind == "block"
-        wanted = (r.quantize_input_grad, r.quantize_weight_grad)
-        once = q(grad, layer, "grad") if any(wanted) and not block else None  # one cast, one scale
-        g_dx, w_dx = grad, w32
-        if wanted[0]:  # g along its channels; W along its output channels (the dgrad GEMM's K)
-            g_dx = along(q, grad, layer, "grad", 1) if block else once
-            w_dx = along(q, w32, layer, "weight", 0) if block and not r.weight_2d else wq
-        g_dw, x_dw = grad, x
-        if wanted[1]:  # both along the batch axis (the wgrad GEMM's K)
-            if r.hadamard:
-                g_dw, x_dw = hadamard_tiles(g_dw, 0), hadamard_tiles(x_dw, 0)
-            g_dw = along(q, g_dw, layer, "grad", 0) if block else once
-            x_dw = along(q, x_dw, layer, "input", 0) if block else xq
+        quantize = _conv_operand(self.quantizer, self.layer)
+        dgrad, wgrad = backward_operands(self.quantizer.recipe, quantize, grad, x, w32, xq, wq,
+                                         hadamard=_hadamard_batch)  # fmt: skip
+        (g_dx, w_dx), (g_dw, x_dw) = dgrad, wgrad
         args = self.compute, self.kwargs
         if g_dx is g_dw:  # one head gradient: one backward
             dx, dw = _conv_grads(x_dw, w_dx, g_dx, *args, True, True)
@@ -153,6 +142,26 @@ class QuantizedConv(mx.autograd.Function):
         if has_bias:
             out.append(like(mx.nd.sum(grad, axis=1, exclude=True), w_dtype))
         return (*out, like(dx, x_dtype))
+
+
+_AXES = {"channels": 1, "in_channels": 1, "out_channels": 0, "batch": 0}  # of x, g (N, C, ...); W (O, I, ...)
+
+
+def _conv_operand(q: Quantizer, layer: str):
+    """``recipe_gemms``' quantize for Convolution's layouts: ``along`` ``CONV_BLOCKED``'s axis; the
+    forward's ``W`` by ``weight_forward`` (NVFP4's 16x16 blocks)."""
+
+    def quantize(t, operand: str, gemm: str):
+        if operand == "weight" and gemm == FORWARD:
+            return weight_forward(q, t, layer)
+        return along(q, t, layer, operand, _AXES[CONV_BLOCKED[gemm, operand]])
+
+    return quantize
+
+
+def _hadamard_batch(t, _operand: str):
+    """NVFP4's RHT of the weight gradient's ``x`` or ``g``: tiles of 16 along the batch, zero padded."""
+    return hadamard_tiles(t, 0)
 
 
 class RecipeConv:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import warnings
 
 from ..errors import UnsupportedError
-from ..numerics import quantize_blocks
 from ..quantizer_state import QuantizerState
+from . import xp
 from .keep import dtype_name
-from .quantize import amax, current_scale, quantize_tensorwise
+from .quantize import amax, quantize_tensorwise
 
 with warnings.catch_warnings():  # MXNet 1.9 touches numpy aliases deprecated since numpy 1.20
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -25,8 +25,12 @@ SEVERAL_CONTEXTS = (
 
 
 class Quantizer(QuantizerState):
-    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps
-    (``QuantizerState``: delayed scaling per (layer, operand), the stochastic-rounding counter)."""
+    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps: ``QuantizerState``'s
+    rule over MXNet's ops (``quantize.py``), delayed scaling on one context."""
+
+    ops = xp
+    _amax = staticmethod(amax)
+    _quantize_tensorwise = staticmethod(quantize_tensorwise)
 
     def __init__(self, recipe):
         super().__init__(recipe)
@@ -35,28 +39,11 @@ class Quantizer(QuantizerState):
     def __call__(self, x, layer: str, operand: str, axis: int = -1):
         """``x`` (an NDArray) quantized and dequantized as the recipe's ``operand`` ("input", "weight",
         "grad"), blocked along ``axis``; a float32 NDArray."""
-        r = self.recipe
-        if r.kind == "delayed":
+        if self.recipe.kind == "delayed":
             self.context = self.context or str(x.context)
             if str(x.context) != self.context:
                 raise UnsupportedError(SEVERAL_CONTEXTS.format(f"{self.context} and {x.context}"))
-        grad = operand == "grad"
-        fmt = r.backward_format if grad else r.forward_format
-        rounding = r.grad_rounding if grad else r.forward_rounding
-        self.calls += 1
-        seed = self.calls if rounding == "stochastic" else None
-        if r.kind == "block":
-            block = (16, 16) if (r.weight_2d and operand == "weight") else None
-            axis = (-2, -1) if block else axis
-            return quantize_blocks(x, fmt, axis=axis, block=block, scale_rule=r.scale_rule, rounding=rounding,
-                                   seed=seed)  # fmt: skip
-        a = amax(x)
-        if r.kind == "delayed":  # the scale from the history, then this amax into it (a host read)
-            ds = self.history(layer, operand)
-            out = quantize_tensorwise(x, fmt, float(ds.scale), rounding, seed)
-            ds.update(float(a.asnumpy()[0]))
-            return out
-        return quantize_tensorwise(x, fmt, current_scale(a, fmt, r.margin, r.amax_epsilon), rounding, seed)
+        return super().__call__(x, layer, operand, axis)
 
 
 def cast(x, compute: str):

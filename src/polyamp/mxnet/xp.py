@@ -170,6 +170,10 @@ def float32_round(v):
     return v.astype("float32").astype("float64")
 
 
+def float32(v):
+    return v.astype("float32")
+
+
 def round_saturated(v, fmt, mode: int, seed: int, narrow: bool):
     return exact_float.round_float64(sys.modules[__name__], v, fmt, mode, True, seed)
 

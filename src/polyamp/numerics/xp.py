@@ -117,6 +117,11 @@ def float32_round(v):
     return np.float64(np.float32(v))
 
 
+def float32(v):
+    """``v`` (float32 values) as a float32 array."""
+    return v.astype(np.float32)
+
+
 def moveaxis(v, src, dst):
     return np.moveaxis(v, src, dst)
 

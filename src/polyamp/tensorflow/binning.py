@@ -41,7 +41,7 @@ from ..doctor import binning as core
 from ..doctor import vector
 from ..doctor.histogram import N_BINS, LogHistogram
 from ..errors import PolyampError
-from . import xp
+from . import xp, xp_int
 
 _MASK, _INF, _NORMAL, _MANT = core.F32.mask, core.F32.inf, core.F32.normal, core.F32.normal - 1
 _IGNORE = vector.HIGH  # the slot of the elements a chunk repeats
@@ -261,7 +261,7 @@ def _i64(v: int):
     return _c(v, tf.int64)
 
 
-_c, _shr, _and = xp.graph_const, xp.shift_right, xp.bit_and
+_c, _shr, _and = xp_int.graph_const, xp_int.shift_right, xp_int.bit_and
 
 
 def _segments(groups: list[list]):

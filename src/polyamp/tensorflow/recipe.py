@@ -54,20 +54,19 @@ import tensorflow as tf
 
 from ..errors import PolyampError
 from ..keras.keep import named_layers
-from ..numerics import BLOCK_FORMATS, FORMATS, get_format
+from ..numerics import BLOCK_FORMATS, exact_int, get_format
 from ..numerics import blocks as _blocks
 from ..numerics.hadamard import hadamard_tiles
 from ..numerics.rounding import _MODE
+from ..recipe_gemms import FORWARD, INPUT_GRAD, WEIGHT_GRAD, backward_operands, forward_operands
 from ..recipe_layers import RecipeLayers
 from ..recipes import DelayedScaling, Recipe
-from .quantize import _U, _divide, _Grid, _Num, _round, _Stream, blocks_keyed, compose, graph_call, key_of
-from .quantize import _decompose as decompose
-from .quantize import _decompose_bits as decompose_bits
+from . import xp_int
+from .quantize import _U, _Stream, blocks_keyed, graph_call, key_of
 from .recipe_conv import CONV_LAYERS, conv, conv_call, conv_options
 from .recipe_einsum import bias_and_activation, einsum_call, gemm_plan
 
 _COMPUTE = {"bf16": tf.bfloat16, "fp32": tf.float32}
-_FP32 = _Grid.of(FORMATS["fp32"], False)
 _INF32, _NAN32 = 0x7F800000, 0x7FC00000
 _MATMUL_LAYERS = (keras.layers.Dense, keras.layers.EinsumDense, *CONV_LAYERS)
 _UNSUPPORTED = (  # matmul layers a recipe leaves as Keras runs them
@@ -227,7 +226,9 @@ def _delayed_update(amax_bits, history, scale, algo: str, scaled_max: float):
 # -- per-tensor scaling in integers --------------------------------------------------------------------
 def _float32(x) -> tf.Tensor:
     """``x`` as float32 (rounded once, as a cast), by its bit pattern (no subnormal flushed)."""
-    return compose(_round(decompose(x), _FP32, _MODE["nearest"], None), tf.float32)
+    num = exact_int.decompose(xp_int, x)
+    rounded = exact_int.round_to_grid(xp_int, num, exact_int.FP32, _MODE["nearest"], None)
+    return exact_int.compose(xp_int, rounded, tf.float32)
 
 
 def _block_values(x, key, bf, axes, shape, rule, mode):
@@ -249,33 +250,12 @@ def _delayed(x, scale, key, fmt, mode):
 
 def _amax_bits(x32) -> tf.Tensor:
     """max |x| of a float32 tensor as a float32 bit pattern (uint64): NaN when x holds a NaN."""
-    bits = tf.cast(tf.bitcast(x32, tf.uint32), _U) & tf.constant(0x7FFFFFFF, _U)
-    return tf.reduce_max(tf.concat([tf.reshape(bits, [-1]), tf.zeros([1], _U)], 0))
-
-
-def _constant(value: float) -> _Num:
-    """A positive finite float as an exact ``_Num`` of scalars."""
-    n, d = float(value).as_integer_ratio()
-    f = tf.constant(False)
-    return _Num(f, tf.constant(n, _U), tf.constant(-(d.bit_length() - 1), tf.int32), f, f)
+    return xp_int.max_all(xp_int.abs_bits(x32))
 
 
 def _scale(amax_bits, scaled_max: float, fallback, eps: float = 0.0) -> tf.Tensor:
-    """``recipes._scale`` of one float32 amax: ``scaled_max / max(amax, eps)`` rounded once to float32
-    (long division), float32's max where that overflows, ``fallback`` where the amax is 0 or not finite."""
-    amax = decompose_bits(amax_bits, tf.float32)
-    q = _divide(_constant(scaled_max), amax, 29)
-    q = compose(_round(q, _Grid.of(FORMATS["fp32"], True), _MODE["nearest"], None), tf.float32)
-    ok = (amax_bits < _INF32) & tf.not_equal(amax_bits, 0)
-    if eps > 0:  # a float32 amax below eps: the (constant) scale of eps itself
-        t = np.float32(eps)
-        t = t if float(t) >= eps else np.nextafter(t, np.float32(np.inf))
-        below = amax_bits < int(np.asarray(t).view(np.uint32))
-        with np.errstate(over="ignore"):
-            q_eps = np.float32(scaled_max / eps)
-        q_eps = np.finfo(np.float32).max if np.isinf(q_eps) else q_eps
-        q, ok = tf.where(below, tf.constant(q_eps, tf.float32), q), ok | below
-    return tf.where(ok, q, tf.cast(fallback, tf.float32))
+    """``recipes._scale`` of one float32 amax given as its bit pattern (``exact_int.scale_from_amax``)."""
+    return exact_int.scale_from_amax(xp_int, amax_bits, scaled_max, fallback, eps)
 
 
 def current_scale(amax_bits, fmt: str, margin: int = 0, eps: float = 0.0) -> tf.Tensor:
@@ -286,22 +266,18 @@ def current_scale(amax_bits, fmt: str, margin: int = 0, eps: float = 0.0) -> tf.
 def tensorwise(x32, fmt: str, scale, mode: int, key) -> tf.Tensor:
     """``recipes.quantize_tensorwise(x32, fmt, scale)``: ``fp32(x * scale)`` rounded to ``fmt`` with
     saturation, divided by ``scale`` (rounded to float32); float32 in and out."""
-    x, s = decompose(x32), decompose(tf.convert_to_tensor(scale, tf.float32))
-    product = _round(_Num(x.neg, x.sig * s.sig, x.exp + s.exp, x.nan, x.inf), _FP32, _MODE["nearest"], None)
     stream = _Stream(key, x32) if mode == _MODE["stochastic"] else None
-    q = _round(product, _Grid.of(get_format(fmt), True), mode, stream)
-    return compose(_round(_divide(q, s, 29), _FP32, _MODE["nearest"], None), tf.float32)
+    grid = exact_int.Grid.of(get_format(fmt), True)
+    return exact_int.tensorwise(xp_int, x32, tf.convert_to_tensor(scale, tf.float32), grid, mode, stream)
 
 
 # -- the GEMMs -----------------------------------------------------------------------------------------
 def linear(quantizer: Quantizer, layer: str, compute):
-    """``x @ w`` (x [..., K], w [K, N]) with the recipe's three quantized GEMMs (module docstring)."""
-    r = quantizer.recipe
-    fq, bq, wq_ = r.quantize_forward, r.quantize_input_grad, r.quantize_weight_grad
-    block = r.kind == "block"
+    """``x @ w`` (x [..., K], w [K, N]) with the recipe's three quantized GEMMs (module docstring), their
+    operands by ``recipe_gemms`` (the weight gradient quantizes ``x`` before ``g``)."""
 
-    def q(t, operand, axis):
-        return quantizer(t, layer, operand, axis)
+    def quantize(t, operand, gemm):
+        return quantizer(t, layer, operand, _LINEAR_AXES[gemm, operand])
 
     def matmul(a, b, **kw):
         return tf.linalg.matmul(tf.cast(a, compute), tf.cast(b, compute), **kw)
@@ -310,23 +286,15 @@ def linear(quantizer: Quantizer, layer: str, compute):
     def fn(x, w):
         k, n = w.shape
         x2 = tf.reshape(x, [-1, k])
-        xq = q(x2, "input", -1) if fq else x2
-        wq = q(w, "weight", 0) if fq else w
+        xq, wq = forward_operands(quantizer.recipe, quantize, x2, w)
         y = tf.reshape(matmul(xq, wq), tf.concat([tf.shape(x)[:-1], [n]], 0))
 
         def grad(g):
             g2 = tf.reshape(g, [-1, n])
-            once = q(g2, "grad", -1) if (bq or wq_) and not block else None
-            gq, w_op = g2, w
-            if bq:
-                gq = q(g2, "grad", -1) if block else once
-                w_op = q(w, "weight", 1) if block and not r.weight_2d else wq
+            (gq, w_op), (g_op, x_op) = backward_operands(
+                quantizer.recipe, quantize, g2, x2, w, xq, wq, hadamard=_hadamard_rows,
+                weight_grad_first="input")  # fmt: skip
             dx = tf.cast(tf.reshape(matmul(gq, w_op, transpose_b=True), tf.shape(x)), x.dtype)
-            x_op, g_op = x2, g2
-            if wq_:  # NVFP4's Hadamard transform first (tiles of 16 along M), then blocks along M
-                x_w, g_w = (hadamard_tiles(x2, 0), hadamard_tiles(g2, 0)) if r.hadamard else (x2, g2)
-                x_op = q(x_w, "input", 0) if block else xq
-                g_op = q(g_w, "grad", 0) if block else once
             return dx, tf.cast(matmul(x_op, g_op, transpose_a=True), w.dtype)
 
         return tf.cast(y, x.dtype), grad
@@ -336,6 +304,15 @@ def linear(quantizer: Quantizer, layer: str, compute):
         return fn(tf.convert_to_tensor(x), tf.convert_to_tensor(w))
 
     return apply
+
+
+# each operand's blocked axis, the one its GEMM sums over: K forward, N input grad, M weight grad
+_LINEAR_AXES = {(FORWARD, "input"): -1, (FORWARD, "weight"): 0, (INPUT_GRAD, "grad"): -1,
+                (INPUT_GRAD, "weight"): 1, (WEIGHT_GRAD, "input"): 0, (WEIGHT_GRAD, "grad"): 0}  # fmt: skip
+
+
+def _hadamard_rows(t, _operand: str):
+    return hadamard_tiles(t, 0)
 
 
 # -- the model's matmul layers ----------------------------------------------------------------------

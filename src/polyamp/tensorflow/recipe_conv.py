@@ -32,44 +32,36 @@ import keras
 import tensorflow as tf
 
 from ..numerics.hadamard import hadamard_tiles
+from ..recipe_gemms import CONV_BLOCKED, backward_operands, forward_operands
 from .quantize import graph_call
 
 CONV_LAYERS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
 
 def conv(quantizer, layer: str, compute, options: tuple):
-    """``conv(x, w)`` with the recipe's three quantized GEMMs; ``options`` = (strides, padding,
-    dilation_rate, data_format), each hashable (``conv_options``)."""
-    r = quantizer.recipe
-    fq, bq, wq_ = r.quantize_forward, r.quantize_input_grad, r.quantize_weight_grad
-    block = r.kind == "block"
+    """``conv(x, w)`` with the recipe's three quantized GEMMs, their operands by ``recipe_gemms`` (the
+    weight gradient quantizes ``x`` before ``g``); ``options`` = (strides, padding, dilation_rate,
+    data_format), each hashable (``conv_options``)."""
     channel = -1 if options[3] == "channels_last" else 1
+    axes = {"channels": channel, "in_channels": -2, "out_channels": -1, "batch": 0}
 
-    def q(t, operand, axis):
-        return _blocked(quantizer, t, layer, operand, axis)
+    def quantize(t, operand, gemm):
+        return _blocked(quantizer, t, layer, operand, axes[CONV_BLOCKED[gemm, operand]])
 
     def c(t):
         return tf.cast(t, compute)
 
     @tf.custom_gradient
     def fn(x, w):
-        xq = q(x, "input", channel) if fq else x
-        wq = q(w, "weight", -2) if fq else w
+        xq, wq = forward_operands(quantizer.recipe, quantize, x, w)
         x_c, w_c = c(xq), c(wq)
         y = _conv(x_c, w_c, *options)
 
         def grad(g):
-            once = q(g, "grad", channel) if (bq or wq_) and not block else None
-            gq, w_op = g, w
-            if bq:
-                gq = q(g, "grad", channel) if block else once
-                w_op = q(w, "weight", -1) if block and not r.weight_2d else wq
+            (gq, w_op), (g_op, x_op) = backward_operands(
+                quantizer.recipe, quantize, g, x, w, xq, wq, hadamard=_hadamard_batch,
+                weight_grad_first="input")  # fmt: skip
             dx = tf.cast(graph_call(_input_grad, (c(gq), c(w_op), x_c), options), x.dtype)
-            x_op, g_op = x, g
-            if wq_:  # NVFP4's Hadamard transform first (tiles of 16 along the batch), then blocks along it
-                x_w, g_w = (hadamard_tiles(x, 0), hadamard_tiles(g, 0)) if r.hadamard else (x, g)
-                x_op = q(x_w, "input", 0) if block else xq
-                g_op = q(g_w, "grad", 0) if block else once
             dw = graph_call(_weight_grad, (c(x_op), c(g_op), w_c), options)
             return dx, tf.cast(dw, w.dtype)
 
@@ -123,6 +115,10 @@ def _blocked(quantizer, t, layer: str, operand: str, axis: int):
     perm = [i for i in range(rank) if i != axis] + [axis]
     back = list(range(axis)) + [rank - 1] + list(range(axis, rank - 1))
     return tf.transpose(quantizer(tf.transpose(t, perm), layer, operand, -1), back)
+
+
+def _hadamard_batch(t, _operand: str):
+    return hadamard_tiles(t, 0)
 
 
 def _conv(x, w, strides, padding, dilation, data_format):

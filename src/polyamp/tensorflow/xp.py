@@ -8,9 +8,13 @@ finds this module from a tf.Tensor / tf.Variable.
 
 from __future__ import annotations
 
-import weakref
-
 import tensorflow as tf
+
+from .xp_int import bit_and as bit_and  # the integer vocabulary is part of these ops
+from .xp_int import clamp_int as clamp_int
+from .xp_int import graph_const as graph_const
+from .xp_int import select as select
+from .xp_int import shift_right as shift_right
 
 NAME = "tensorflow"
 
@@ -38,9 +42,6 @@ def round_to_blocks(x, bf, axes, shape, rule, mode, seed):
     return run(x, bf.name, axes if len(axes) > 1 else axes[0], shape, rule, ROUNDINGS[mode], seed)
 
 
-# -- rounding and block formats ------------------------------------------------------------------------
-
-
 # -- binning (the doctor) ------------------------------------------------------------------------------
 def float_bits(x):
     """The bits of the float tensor ``x`` as the int of its width."""
@@ -50,41 +51,6 @@ def float_bits(x):
 def int_float(a):
     """The int tensor ``a`` converted to the float of its width."""
     return tf.cast(a, tf.float32 if a.dtype == tf.int32 else tf.float64)
-
-
-def select(c, x, y):
-    """``tf.where``; a Python int takes the other operand's dtype."""
-    dtype = (y if tf.is_tensor(y) else x).dtype
-    return tf.where(c, graph_const(x, dtype), graph_const(y, dtype))
-
-
-def shift_right(x, n: int):
-    return tf.bitwise.right_shift(x, graph_const(n, x.dtype))
-
-
-def bit_and(x, m: int):
-    return tf.bitwise.bitwise_and(x, graph_const(m, x.dtype))
-
-
-def clamp_int(x, lo: int, hi: int):
-    return tf.clip_by_value(x, graph_const(lo, x.dtype), graph_const(hi, x.dtype))
-
-
-_GRAPH_CONSTANTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def graph_const(value, dtype):
-    """``value`` as a constant (a tensor as it is), made once per graph while tracing (a graph of fewer
-    ops builds faster)."""
-    if tf.is_tensor(value):
-        return value
-    if tf.executing_eagerly():
-        return tf.constant(value, dtype)
-    made = _GRAPH_CONSTANTS.setdefault(tf.compat.v1.get_default_graph(), {})
-    key = (tuple(value) if isinstance(value, list) else value, dtype)
-    if key not in made:
-        made[key] = tf.constant(value, dtype)
-    return made[key]
 
 
 # -- Hadamard tiles and the recipes' GEMM rule ---------------------------------------------------------

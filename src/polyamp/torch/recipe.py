@@ -47,57 +47,46 @@ import contextlib
 import fnmatch
 import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import PolyampError
-from ..numerics import get_format, quantize, quantize_blocks
+from ..numerics import get_format, quantize
 from ..numerics.hadamard import hadamard_tiles
 from ..quantizer_state import QuantizerState
+from ..recipe_gemms import INPUT_GRAD, backward_operands, forward_operands
 from ..recipe_layers import RecipeLayers
+from ..recipes import current_scale_of
+from . import xp
 from .recipe_conv import is_conv, quantized_conv
 
 _FLOAT8 = {"e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _COMPUTE = {"bf16": torch.bfloat16, "fp32": torch.float32}
-_FLT_MAX = float(np.finfo(np.float32).max)
 
 
 class Quantizer(QuantizerState):
-    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps
-    (``QuantizerState``: delayed scaling per (layer, operand), the stochastic-rounding counter).
+    """The recipe's quantize-dequantize of one GEMM operand, with the state it keeps: ``QuantizerState``'s
+    rule over torch's hooks (detached float32 operands, ``_tensorwise``'s float8 cast, ``_reduced``).
     ``group``: the process group whose ranks share the delayed histories (``reduce_amax``; None is the
     world when ``torch.distributed`` is initialized)."""
+
+    ops = xp
 
     def __init__(self, recipe, group=None):
         super().__init__(recipe)
         self.group = group
 
-    def __call__(self, x: torch.Tensor, layer: str, operand: str, axis: int = -1) -> torch.Tensor:
-        """``x`` quantized and dequantized as the recipe's ``operand`` ("input", "weight", "grad"),
-        blocked along ``axis``; float32 out."""
-        r = self.recipe
-        grad = operand == "grad"
-        fmt = r.backward_format if grad else r.forward_format
-        rounding = r.grad_rounding if grad else r.forward_rounding
-        self.calls += 1
-        seed = self.calls if rounding == "stochastic" else None
-        if r.kind == "block":
-            block = (16, 16) if (r.weight_2d and operand == "weight") else None
-            axis = (-2, -1) if block else axis
-            return quantize_blocks(x.detach(), fmt, axis=axis, block=block, scale_rule=r.scale_rule,
-                                   rounding=rounding, seed=seed)  # fmt: skip
-        x32 = x.detach().float()
-        amax = x32.abs().amax() if x32.numel() else x32.new_zeros(())
-        if r.kind == "delayed":  # the scale from the history, then this amax into it (a host read)
-            ds = self.history(layer, operand)
-            scale = torch.tensor(float(ds.scale), dtype=torch.float32, device=x.device)
-            out = _tensorwise(x32, fmt, scale, rounding, seed)
-            ds.update(float(self._reduced(amax)))
-            return out
-        return _tensorwise(x32, fmt, current_scale(amax, fmt, r.margin, r.amax_epsilon), rounding, seed)
+    def _operand(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().float()
 
+    def _amax(self, x32: torch.Tensor) -> torch.Tensor:
+        return x32.abs().amax() if x32.numel() else x32.new_zeros(())
+
+    def _quantize_tensorwise(self, x32: torch.Tensor, fmt: str, scale, rounding: str, seed) -> torch.Tensor:
+        if isinstance(scale, float):  # delayed scaling's, from the host
+            scale = torch.tensor(scale, dtype=torch.float32, device=x32.device)
+        return _tensorwise(x32, fmt, scale, rounding, seed)
 
     def _reduced(self, amax: torch.Tensor) -> torch.Tensor:
         """``amax``, all-reduced (max) over ``group`` when the recipe reduces amaxes and
@@ -115,12 +104,7 @@ class Quantizer(QuantizerState):
 
 def current_scale(amax: torch.Tensor, fmt: str, margin: int = 0, eps: float = 0.0) -> torch.Tensor:
     """``polyamp.recipes.current_scale`` of a 0-d float32 amax tensor, on its device (no host read)."""
-    scaled_max = float(np.float32(float(get_format(fmt).max) * 2.0**-margin))
-    a = amax.double()
-    a = torch.where(a < eps, eps, a)
-    q = (scaled_max / a).float()
-    q = torch.where(torch.isinf(q), _FLT_MAX, q)
-    return torch.where(torch.isfinite(a) & (a > 0), q, 1.0)
+    return current_scale_of(xp, amax, fmt, margin, eps)
 
 
 def _tensorwise(x32: torch.Tensor, fmt: str, scale: torch.Tensor, rounding: str, seed) -> torch.Tensor:
@@ -135,14 +119,12 @@ def _tensorwise(x32: torch.Tensor, fmt: str, scale: torch.Tensor, rounding: str,
 
 
 class _QuantizedLinear(torch.autograd.Function):
-    """``F.linear`` with the recipe's three quantized GEMMs (module docstring)."""
+    """``F.linear`` with the recipe's three quantized GEMMs (module docstring), their operands by
+    ``recipe_gemms``; the backward skips a gradient that autograd does not need."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, quantizer: Quantizer, layer: str, compute: torch.dtype):
-        r = quantizer.recipe
-        fq = r.quantize_forward
-        xq = quantizer(x, layer, "input") if fq else x
-        wq = quantizer(weight, layer, "weight") if fq else weight
+        xq, wq = forward_operands(quantizer.recipe, _linear_operand(quantizer, layer), x, weight)
         ctx.save_for_backward(x, weight, xq, wq)
         ctx.args = (quantizer, layer, compute, bias is not None, x.dtype, weight.dtype)
         b = None if bias is None else bias.to(compute)
@@ -152,34 +134,41 @@ class _QuantizedLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, xq, wq = ctx.saved_tensors
         quantizer, layer, compute, has_bias, x_dtype, w_dtype = ctx.args
-        r = quantizer.recipe
+        k = x.shape[-1]
         g2 = grad.reshape(-1, grad.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        block = r.kind == "block"
-        wanted = (ctx.needs_input_grad[0] and r.quantize_input_grad,
-                  ctx.needs_input_grad[1] and r.quantize_weight_grad)  # fmt: skip
-        once = quantizer(g2, layer, "grad") if any(wanted) and not block else None  # one cast, one scale
+        dgrad, wgrad = backward_operands(
+            quantizer.recipe, _linear_operand(quantizer, layer), g2, x.reshape(-1, k), weight,
+            xq.reshape(-1, k), wq, hadamard=_hadamard_rows, transpose=torch.Tensor.t,
+            want=ctx.needs_input_grad[:2])  # fmt: skip
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            gq, w_op = g2, weight
-            if wanted[0]:  # g blocked along N; W along its output dimension N (the dgrad GEMM's K)
-                gq = quantizer(g2, layer, "grad", axis=-1) if block else once
-                w_op = wq
-                if block and not r.weight_2d:  # W^T blocked along its last axis: the same blocks
-                    w_op = quantizer(weight.t(), layer, "weight", axis=-1).t()
-            dx = (gq.to(compute) @ w_op.to(compute)).reshape(x.shape).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            gt, xt = g2.t(), x2.t()  # the wgrad GEMM dW = g^T x: operands g^T, x^T blocked along M
-            if wanted[1]:
-                if r.hadamard:  # NVFP4's RHT: both operands times H in tiles of 16 along M, then quantized
-                    # (tiles split along g's and x's rows: contiguous results, whose .t() quantizes in place)
-                    gt, xt = hadamard_tiles(g2, 0).t(), hadamard_tiles(x2, 0).t()
-                gt = quantizer(gt, layer, "grad", axis=-1) if block else once.t()
-                xt = quantizer(xt, layer, "input", axis=-1) if block else xq.reshape(-1, x.shape[-1]).t()
-            dw = (gt.to(compute) @ xt.to(compute).t()).to(w_dtype)
+        if dgrad is not None:
+            g_op, w_op = dgrad
+            dx = (g_op.to(compute) @ w_op.to(compute)).reshape(x.shape).to(x_dtype)
+        if wgrad is not None:  # dW = g^T x, its operands g^T and x^T
+            g_op, x_op = wgrad
+            dw = (g_op.to(compute) @ x_op.to(compute).t()).to(w_dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = g2.float().sum(0).to(w_dtype)
         return dx, dw, db, None, None, None
+
+
+def _linear_operand(quantizer: Quantizer, layer: str):
+    """``recipe_gemms``' quantize for ``F.linear``'s layouts (x [M, K], W [N, K], g [M, N], the
+    weight gradient's g^T and x^T): each operand blocked along its last axis; the input gradient's W
+    as W^T, the same blocks as the forward's."""
+
+    def quantize(t: torch.Tensor, operand: str, gemm: str) -> torch.Tensor:
+        if operand == "weight" and gemm == INPUT_GRAD:
+            return quantizer(t.t(), layer, operand).t()
+        return quantizer(t, layer, operand)
+
+    return quantize
+
+
+def _hadamard_rows(t: torch.Tensor, _operand: str) -> torch.Tensor:
+    """The Hadamard tiles of ``t`` (g^T or x^T) along M, split along the rows of g or x: a contiguous
+    result, whose transpose quantizes in place."""
+    return hadamard_tiles(t.t(), 0).t()
 
 
 class RecipeMode(TorchFunctionMode):

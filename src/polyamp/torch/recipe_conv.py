@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics.hadamard import hadamard_tiles
+from ..recipe_gemms import CONV_BLOCKED, backward_operands, forward_operands
 
 _FUNCTIONS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
 _grad = torch.nn.grad
@@ -89,14 +90,13 @@ def _blocked(quantizer, t: torch.Tensor, layer: str, operand: str, axis: int, dt
 
 
 class _QuantizedConv(torch.autograd.Function):
-    """``F.convNd`` with the recipe's three quantized implicit GEMMs (module docstring)."""
+    """``F.convNd`` with the recipe's three quantized implicit GEMMs (module docstring), their operands
+    by ``recipe_gemms``; the backward skips a gradient that autograd does not need."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, geometry, quantizer, layer: str, compute: torch.dtype):
         stride, padding, dilation, groups = geometry
-        fq = quantizer.recipe.quantize_forward
-        xq = _blocked(quantizer, x, layer, "input", 1, compute) if fq else x
-        wq = _blocked(quantizer, weight, layer, "weight", 1, compute) if fq else weight
+        xq, wq = forward_operands(quantizer.recipe, _conv_operand(quantizer, layer, compute), x, weight)
         ctx.save_for_backward(x, weight, xq, wq)
         ctx.args = (geometry, quantizer, layer, compute, bias is not None, x.dtype, weight.dtype)
         b = None if bias is None else bias.to(compute)
@@ -107,29 +107,33 @@ class _QuantizedConv(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, xq, wq = ctx.saved_tensors
         geometry, quantizer, layer, compute, has_bias, x_dtype, w_dtype = ctx.args
-        r = quantizer.recipe
         nd = x.dim() - 2
-        block = r.kind == "block"
-        wanted = (ctx.needs_input_grad[0] and r.quantize_input_grad,
-                  ctx.needs_input_grad[1] and r.quantize_weight_grad)  # fmt: skip
-        once = quantizer(grad, layer, "grad").to(compute) if any(wanted) and not block else None
+        dgrad, wgrad = backward_operands(
+            quantizer.recipe, _conv_operand(quantizer, layer, compute), grad, x, weight, xq, wq,
+            hadamard=_hadamard_batch, want=ctx.needs_input_grad[:2])  # fmt: skip
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            gq, w_op = grad, weight
-            if wanted[0]:
-                gq = _blocked(quantizer, grad, layer, "grad", 1, compute) if block else once
-                w_op = wq
-                if block and not r.weight_2d:
-                    w_op = _blocked(quantizer, weight, layer, "weight", 0, compute)
-            dx = _INPUT_GRAD[nd](x.shape, w_op.to(compute), gq.to(compute), *geometry).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            x_op, g_op = x, grad
-            if wanted[1]:
-                if r.hadamard:  # tiles of 16 along the batch, zero padded in both operands alike
-                    x_op, g_op = hadamard_tiles(x, 0), hadamard_tiles(grad, 0)
-                g_op = _blocked(quantizer, g_op, layer, "grad", 0, compute) if block else once
-                x_op = _blocked(quantizer, x_op, layer, "input", 0, compute) if block else xq
+        if dgrad is not None:
+            g_op, w_op = dgrad
+            dx = _INPUT_GRAD[nd](x.shape, w_op.to(compute), g_op.to(compute), *geometry).to(x_dtype)
+        if wgrad is not None:
+            g_op, x_op = wgrad
             dw = _WEIGHT_GRAD[nd](x_op.to(compute), weight.shape, g_op.to(compute), *geometry).to(w_dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = grad.float().sum([0, *range(2, grad.dim())]).to(w_dtype)
         return dx, dw, db, None, None, None, None
+
+
+_AXES = {"channels": 1, "in_channels": 1, "out_channels": 0, "batch": 0}  # of x, g [N, C, ...]; W [O, I, ...]
+
+
+def _conv_operand(quantizer, layer: str, compute: torch.dtype):
+    """``recipe_gemms``' quantize for ``F.convNd``'s layouts: ``_blocked`` along ``CONV_BLOCKED``'s axis."""
+
+    def quantize(t: torch.Tensor, operand: str, gemm: str) -> torch.Tensor:
+        return _blocked(quantizer, t, layer, operand, _AXES[CONV_BLOCKED[gemm, operand]], compute)
+
+    return quantize
+
+
+def _hadamard_batch(t: torch.Tensor, _operand: str) -> torch.Tensor:
+    return hadamard_tiles(t, 0)

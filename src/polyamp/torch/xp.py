@@ -204,6 +204,10 @@ def float32_round(v):
     return v.to(torch.float32).to(torch.float64)
 
 
+def float32(v):
+    return v.to(torch.float32)
+
+
 def moveaxis(v, src, dst):
     return torch.movedim(v, src, dst)
 
