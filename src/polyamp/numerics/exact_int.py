@@ -1,6 +1,6 @@
 """The exact integer route of rounding and block formats, written once over an integer ops module.
 
-``ops`` is a front end's ``polyamp.<framework>.xp`` (TensorFlow: uint64 significands; JAX: uint32, or
+``ops`` is a front end's ``polyamp.<framework>.xp_int`` (TensorFlow: uint64 significands; JAX: uint32, or
 uint64 under x64): the functions here call only its integer primitives, so both front ends run one
 algorithm, bit-identical to the core (``rounding.py`` and ``blocks.py`` state it). Integer ops, because
 those frameworks flush float32 subnormals on the CPU (and JAX has no float64 by default). A value is an
