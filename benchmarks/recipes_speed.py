@@ -1,14 +1,14 @@
-"""The emulated recipes' training step against bf16-mixed, side by side, in PyTorch, JAX or MXNet.
+"""The emulated recipes' training step against bf16-mixed, side by side, in PyTorch, TensorFlow, JAX or MXNet.
 
-    python benchmarks/recipes_speed.py [--framework torch|jax|mxnet] [--workloads mlp,charlm]
+    python benchmarks/recipes_speed.py [--framework torch|tensorflow|jax|mxnet] [--workloads mlp,charlm]
                                        [--recipes fp8-tensorwise,...] [--repeats 5]
 
 MXNet (run with ``.venv-mxnet``'s interpreter): each recipe twice, its network imperative (as compare
 runs it) and hybridized (``static_alloc``; the quantized GEMMs as a custom operator), beside the
 hybridized bf16-mixed network.
 
-The compare workloads' trainers (``polyamp.compare.torch`` / ``.jax`` ``Trainer``: Adam, the workload's
-batches; JAX's step jitted), one per policy, stepping in rotating rounds in one process: median seconds
+The compare workloads' trainers (``polyamp.compare.<framework>`` ``Trainer``: Adam, the workload's
+batches; JAX's step jitted, TensorFlow's a ``tf.function``), one per policy, stepping in rotating rounds in one process: median seconds
 per step after one warm-up step each, and the median of the per-round ratios to bf16-mixed. Default
 recipes: every one the framework runs (JAX: nvfp4 with nearest rounding). The issue's budget: 3x.
 
@@ -27,7 +27,7 @@ from _timing import ratio_row, run_paired  # benchmarks/_timing.py (this folder 
 from polyamp.compare.workloads import get_workload
 
 _ALL = "fp8-tensorwise,fp8-delayed,mxfp8,nvfp4,nvfp4:grad_rounding=nearest,nvfp4:hadamard=true"
-DEFAULTS = {"torch": _ALL, "jax": _ALL, "mxnet": "fp8-tensorwise,mxfp8,nvfp4"}
+DEFAULTS = {"torch": _ALL, "tensorflow": _ALL, "jax": _ALL, "mxnet": "fp8-tensorwise,mxfp8,nvfp4"}
 
 
 def main() -> None:
@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kernels", action="store_true", help="time the block quantizations of one linear")
     args = parser.parse_args()
+    if args.kernels and args.framework not in ("torch", "jax"):
+        parser.error(f"--kernels times torch or jax; received --framework {args.framework}")
     framework = importlib.import_module(args.framework)
     trainer = importlib.import_module(f"polyamp.compare.{args.framework}").Trainer
     print(f"{args.framework} {framework.__version__}; recipe step / bf16-mixed step")

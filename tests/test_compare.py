@@ -2,7 +2,9 @@
 
 import argparse
 import json
+import math
 import stat
+import statistics
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 
@@ -13,7 +15,12 @@ from polyamp import PolyampError
 from polyamp.cli import main
 from polyamp.compare import interpreters, runner
 from polyamp.compare.cli import compare
+from polyamp.compare.flops import train_step_flops
 from polyamp.compare.workloads import WORKLOADS, get_workload
+from polyamp.timing import IN_PROCESS, LOCKSTEP
+
+POLICIES = ("float32", "bf16-mixed", "fp16-mixed")
+LOW_PRECISION_WEIGHTS = {"jax"}  # the trainers that keep the weights infer() reads in the compute dtype
 
 
 def test_workloads_are_deterministic_and_shared():
@@ -33,7 +40,10 @@ def quick_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     frameworks = interpreters.installed_frameworks()
     assert "torch" in frameworks
-    code = main(["compare", "--quick", "--out", str(out), "--frameworks", ",".join(frameworks)])
+    # a budget no quick case reaches: every case runs all its rounds (the tests below count them)
+    code = main(
+        ["compare", "--quick", "--budget", "60", "--out", str(out), "--frameworks", ",".join(frameworks)]
+    )
     assert code == 0  # MXNet's fp16-mixed is unsupported on CPU: reported, not a crash
     return out, frameworks
 
@@ -84,6 +94,88 @@ def test_report_lists_each_framework_version_once(quick_report):
     assert len(listed) == len(set(listed)) and set(frameworks) <= set(listed), line
 
 
+def _mlp_records(quick_report, framework):
+    out, frameworks = quick_report
+    if framework not in frameworks:
+        pytest.skip(f"{framework} is not installed")
+    cases = json.loads((out / "report.json").read_text())["cases"]
+    mlp = {c["policy"]: c for c in cases if (c["framework"], c["workload"]) == (framework, "mlp")}
+    return [mlp[p] for p in POLICIES]
+
+
+@pytest.mark.parametrize("framework", ["torch", "mxnet"])
+def test_a_quick_run_records_rounds_intervals_and_roofline_shares(quick_report, framework):
+    records = _mlp_records(quick_report, framework)
+    base, bf16, fp16 = records
+    assert base["status"] == "ok" and base["paired"] is None and len(base["step_times"]) == 3
+    if framework == "mxnet" and bf16["status"] == "unsupported":  # a CPU without AVX-512 (capability.py)
+        assert mxnet_bf16_refused(bf16) and bf16.get("paired") is None
+        pytest.skip(bf16["error"])
+    paired = bf16["paired"]
+    assert paired["rounds"] == 3 and paired["baseline"] == "float32"
+    assert paired["pairing"] == (LOCKSTEP if framework == "mxnet" else IN_PROCESS)
+    assert paired["ci95"][0] <= paired["speedup"] <= paired["ci95"][1]
+    recomputed = statistics.median(b / c for b, c in zip(base["step_times"], bf16["step_times"]))
+    assert paired["speedup"] == pytest.approx(recomputed, rel=1e-12)
+    pids = {r["worker_pid"] for r in records}
+    assert len(pids) == (3 if framework == "mxnet" else 1)  # MXNet: one process per policy, stepped in turn
+    if framework == "mxnet":
+        assert fp16["status"] == "unsupported" and "cuDNN" in fp16["error"]
+        assert "float16" in base["roofline_peaks"]["errors"]
+    else:
+        assert fp16["paired"]["rounds"] == 3
+    for record in (r for r in records if r["status"] == "ok"):
+        assert record["group_policies"] == list(POLICIES)
+        assert set(record["roofline_peaks"]["gflops"]) >= {"float32", "bfloat16"}
+        roof = record["roofline"]
+        assert roof["flops_per_step"] == train_step_flops(get_workload("mlp", quick=True))
+        achieved = roof["flops_per_step"] / record["median_step_s"] / 1e9
+        assert roof["achieved_gflops"] == pytest.approx(achieved)
+
+
+@pytest.mark.parametrize("framework", interpreters.FRAMEWORKS)
+def test_every_trained_case_records_its_memory_and_paired_inference(quick_report, framework):
+    """torch, TensorFlow and JAX infer in their worker process; MXNet, whose AMP is process-wide,
+    through the lock-step path (one ``worker --serve`` process per policy)."""
+    records = dict(zip(POLICIES, _mlp_records(quick_report, framework)))
+    wl = get_workload("mlp", quick=True)
+    rows = len(wl.heldout()[0][0])
+    for policy, record in records.items():
+        if framework == "mxnet" and policy == "fp16-mixed":  # refused at build: nothing trained to infer with
+            assert record["status"] == "unsupported" and "cuDNN" in record["error"]
+            assert record["inference"] is None and record["memory"] is None
+            continue
+        if framework == "mxnet" and mxnet_bf16_refused(record):  # a CPU without AVX-512 (capability.py)
+            assert policy == "bf16-mixed" and record["inference"] is None
+            continue
+        assert record["status"] == "ok", record.get("error")
+        memory, inference = record["memory"], record["inference"]
+        assert record["memory_error"] is None and memory["parameters"] > 0 and memory["gradients"] > 0
+        assert memory["optimizer"] > 0  # after the training steps, the optimizer state exists
+        assert inference["status"] == "ok", inference["error"]
+        assert inference["batch"] == rows and inference["median_ms"] > 0
+        assert len(inference["step_times"]) == wl.steps - 1  # one warm-up call, then a call per round
+        assert inference["weights_bytes"] == memory["inference_weights"] > 0
+        compute = {"float32": "float32", "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[policy]
+        assert compute in inference["how"], inference["how"]
+        value = inference["eval"]["value"]
+        assert math.isfinite(value) and inference["eval"]["metric"] == record["eval"]["metric"]
+        # infer() is the trained network: its metric is the training forward pass's, up to rounding
+        assert value == pytest.approx(record["eval"]["value"], rel=0.02)
+    base = records["float32"]["inference"]
+    assert base["paired"] is None
+    if framework == "mxnet" and mxnet_bf16_refused(records["bf16-mixed"]):
+        pytest.skip(records["bf16-mixed"]["error"])  # float32 checked above; no bf16 to pair with
+    bf16 = records["bf16-mixed"]["inference"]
+    paired = bf16["paired"]
+    assert paired["rounds"] == wl.steps - 1 and paired["speedup"] > 0
+    assert paired["pairing"] == (LOCKSTEP if framework == "mxnet" else IN_PROCESS)
+    assert paired["ci95"][0] <= paired["speedup"] <= paired["ci95"][1]
+    assert bf16["weights_bytes"] <= base["weights_bytes"]
+    if framework in LOW_PRECISION_WEIGHTS:
+        assert bf16["weights_bytes"] * 2 == base["weights_bytes"]
+
+
 SHARED_VS_FRESH = [(f, "charlm", p) for p in ("float32", "bf16-mixed") for f in ("tensorflow", "torch")]
 
 
@@ -120,8 +212,6 @@ def test_a_case_in_a_shared_process_trains_as_in_a_fresh_one(quick_report, fresh
 def test_speedups_are_recomputable_from_step_times(quick_report):
     """A speed-up is the median over the rounds both ran of float32's step time / the case's (a
     case that spent its budget on its warm-up: float32's median / that one step)."""
-    import statistics
-
     out, _ = quick_report
     report = json.loads((out / "report.json").read_text())
     cases = {(c["framework"], c["workload"], c["policy"]): c for c in report["cases"]}

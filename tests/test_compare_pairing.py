@@ -1,4 +1,5 @@
-"""Paired timing in ``polyamp compare``: rounds, ratios, intervals, caps, roofline, and a real run.
+"""Paired timing in ``polyamp compare``: rounds, ratios, intervals, caps, roofline (a real quick run's:
+``test_compare.py``).
 
 The pairing logic is tested with a fake trainer (polyamp's own trainer protocol: ``step(i)``,
 ``evaluate()``, ``mp``, ``last``) on a virtual clock: each step advances it by the policy's base
@@ -10,15 +11,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from frameworks import mxnet_bf16_refused
 
 from polyamp import PolyampError
-from polyamp.compare import interpreters, report, runner, verdict
+from polyamp.compare import report, verdict
 from polyamp.compare.flops import train_step_flops
 from polyamp.compare.pairing import INFER_MAX_CALLS, infer_budget_for, pair_group
 from polyamp.compare.report import summarize, terminal_table, write_report
@@ -342,42 +341,3 @@ def test_flops_per_step_and_the_roofline_share():
     assert share("fp16-mixed", 10**9, 0.05, peaks).share is None  # no fp16 peak measured
     with pytest.raises(PolyampError, match="no FLOP count for a workload of kind 'resnet'"):
         train_step_flops(SimpleNamespace(name="resnet", architecture=None))
-
-
-def _ratio_of_rounds(base: list, case: list) -> float:
-    return statistics.median(b / c for b, c in zip(base, case))
-
-
-@pytest.mark.parametrize("framework", ["torch", "mxnet"])
-def test_a_real_quick_run_records_rounds_intervals_and_roofline_shares(framework):
-    if framework not in interpreters.installed_frameworks():
-        pytest.skip(f"{framework} is not installed")
-    policies = ("float32", "bf16-mixed", "fp16-mixed")
-    started = time.perf_counter()
-    records = runner.run([(framework, "mlp", p) for p in policies], quick=True, budget=60.0)
-    assert time.perf_counter() - started < 120
-    base, bf16, fp16 = records
-    assert base["status"] == "ok" and base["paired"] is None and len(base["step_times"]) == 3
-    if framework == "mxnet" and bf16["status"] == "unsupported":  # a CPU without AVX-512 (capability.py)
-        assert mxnet_bf16_refused(bf16) and bf16.get("paired") is None
-        pytest.skip(bf16["error"])
-    paired = bf16["paired"]
-    assert paired["rounds"] == 3 and paired["baseline"] == "float32"
-    assert paired["pairing"] == (LOCKSTEP if framework == "mxnet" else IN_PROCESS)
-    assert paired["ci95"][0] <= paired["speedup"] <= paired["ci95"][1]
-    recomputed = _ratio_of_rounds(base["step_times"], bf16["step_times"])
-    assert paired["speedup"] == pytest.approx(recomputed, rel=1e-12)
-    pids = {r["worker_pid"] for r in records}
-    assert len(pids) == (3 if framework == "mxnet" else 1)  # MXNet: one process per policy, stepped in turn
-    if framework == "mxnet":
-        assert fp16["status"] == "unsupported" and "cuDNN" in fp16["error"]
-        assert "float16" in base["roofline_peaks"]["errors"]
-    else:
-        assert fp16["paired"]["rounds"] == 3
-    for record in (r for r in records if r["status"] == "ok"):
-        assert record["group_policies"] == list(policies)
-        assert set(record["roofline_peaks"]["gflops"]) >= {"float32", "bfloat16"}
-        roof = record["roofline"]
-        assert roof["flops_per_step"] == train_step_flops(get_workload("mlp", quick=True))
-        achieved = roof["flops_per_step"] / record["median_step_s"] / 1e9
-        assert roof["achieved_gflops"] == pytest.approx(achieved)

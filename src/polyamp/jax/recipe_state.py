@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import PolyampError
-from ..numerics import get_format
+from ..numerics import exact_int, get_format
 from ..numerics.stream import GOLDEN, M1, M2
 from ..recipes import DelayedScaling, Recipe
 from .quantize import _add64, _mul64, _xor_shr
@@ -252,11 +252,11 @@ def scale_from_amax(amax, fmt: str, margin: int, eps: float, fallback):
     scaled_max = np.float32(float(get_format(fmt).max) * 2.0**-margin)
     # a subnormal amax is > 0 for the core too; read its bits, as XLA on the CPU flushes it to 0 (and
     # rewrites where(a < eps, eps, a) as a flushing max): its quotient is then inf, float32's max below
-    positive = lax.bitcast_convert_type(amax, jnp.int32) > 0
-    a = amax
-    if eps > 0:
-        floored = amax < eps
-        a, positive = jnp.where(floored, jnp.float32(eps), amax), positive | floored
-    q = scaled_max / a
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    q = scaled_max / amax
     q = jnp.where(jnp.isinf(q), jnp.float32(np.finfo(np.float32).max), q)
-    return jnp.where(jnp.isfinite(a) & positive, q, jnp.asarray(fallback, jnp.float32))
+    q = jnp.where(jnp.isfinite(amax) & (bits > 0), q, jnp.asarray(fallback, jnp.float32))
+    if eps > 0:  # below eps (compared as bits: eps need not be a float32; -0 and negatives are below)
+        threshold, q_eps = exact_int.eps_floor(float(scaled_max), eps)
+        q = jnp.where((bits < threshold) & ~jnp.isnan(amax), jnp.float32(q_eps), q)
+    return q

@@ -228,6 +228,18 @@ def divide(ops, n: Num, d: Num, bits: int) -> Num:
 
 
 # -- per-tensor scaling ----------------------------------------------------------------------------
+def eps_floor(scaled_max: float, eps: float):
+    """For ``recipes._scale``'s floor ``max(amax, eps)`` on float32 amaxes: the bit pattern ``t`` of the
+    least float32 >= ``eps`` (a non-negative float32 amax is below ``eps`` exactly when its bits are below
+    ``t``) and the float32 scale of ``eps`` itself, ``scaled_max / eps`` in float64 rounded once (float32's
+    max where that overflows)."""
+    t = np.float32(eps)
+    t = t if float(t) >= eps else np.nextafter(t, np.float32(np.inf))
+    with np.errstate(over="ignore"):
+        q_eps = np.float32(scaled_max / eps)
+    return int(np.asarray(t).view(np.uint32)), (np.finfo(np.float32).max if np.isinf(q_eps) else q_eps)
+
+
 def scale_from_amax(ops, amax_bits, scaled_max: float, fallback, eps: float = 0.0):
     """``recipes._scale`` of one float32 amax given as its bit pattern: ``scaled_max / max(amax, eps)``
     rounded once to float32 (long division), float32's max where that overflows, ``fallback`` where the
@@ -237,12 +249,8 @@ def scale_from_amax(ops, amax_bits, scaled_max: float, fallback, eps: float = 0.
     q = compose(ops, round_to_grid(ops, q, FP32_SATURATING, NEAREST, None), ops.FLOAT32)
     ok = (amax_bits < 0x7F800000) & ops.ne(amax_bits, 0)
     if eps > 0:  # a float32 amax below eps: the (constant) scale of eps itself
-        t = np.float32(eps)
-        t = t if float(t) >= eps else np.nextafter(t, np.float32(np.inf))
-        below = amax_bits < int(np.asarray(t).view(np.uint32))
-        with np.errstate(over="ignore"):
-            q_eps = np.float32(scaled_max / eps)
-        q_eps = np.finfo(np.float32).max if np.isinf(q_eps) else q_eps
+        threshold, q_eps = eps_floor(scaled_max, eps)
+        below = amax_bits < threshold
         q, ok = ops.select(below, q_eps, q), ok | below
     return ops.select(ok, q, fallback)
 
