@@ -63,7 +63,7 @@ test: venv venv-mxnet venv-timm
 	POLYAMP_TEST_FRAMEWORKS=mxnet $(MXNET_PY) -m pytest -q -n 2 --dist loadfile tests/test_mxnet.py tests/test_contract.py tests/test_front_ends.py tests/test_compare_workloads.py \
 		tests/test_formats.py tests/test_rounding.py tests/test_policy.py tests/test_scaling.py tests/test_import.py \
 		tests/test_doctor_core.py tests/test_doctor_chain.py tests/test_doctor_mxnet.py tests/test_blocks.py tests/test_recipes.py tests/test_mxnet_recipes.py tests/test_mxnet_recipe_conv.py \
-		tests/test_hadamard.py tests/test_quantize_frameworks.py tests/test_doctor_blocks.py tests/test_doctor_binning.py tests/test_mxnet_tune.py tests/test_models_mxnet.py tests/test_models_docs.py
+		tests/test_hadamard.py tests/test_quantize_frameworks.py tests/test_recipes_frameworks.py tests/test_recipe_conv_frameworks.py tests/test_doctor_blocks.py tests/test_doctor_binning.py tests/test_mxnet_tune.py tests/test_models_mxnet.py tests/test_models_docs.py
 	# side by side, each in one process, its output kept apart until all three end: Keras 3 on its JAX and
 	# torch backends (polyamp.keras; Keras picks its backend once per process), and timm's ResNet and ViT in
 	# their own environment (torch 2.14.1: TIMM_VENV above)

@@ -8,9 +8,9 @@ runs it) and hybridized (``static_alloc``; the quantized GEMMs as a custom opera
 hybridized bf16-mixed network.
 
 The compare workloads' trainers (``polyamp.compare.<framework>`` ``Trainer``: Adam, the workload's
-batches; JAX's step jitted, TensorFlow's a ``tf.function``), one per policy, stepping in rotating rounds in one process: median seconds
-per step after one warm-up step each, and the median of the per-round ratios to bf16-mixed. Default
-recipes: every one the framework runs (JAX: nvfp4 with nearest rounding). The issue's budget: 3x.
+batches; JAX's step jitted, TensorFlow's a ``tf.function``), one per policy, stepping in rotating
+rounds in one process: median seconds per step after one warm-up step each, and the median of the
+per-round ratios to bf16-mixed. Default recipes: every one the framework runs. The issue's budget: 3x.
 
 ``--kernels``: instead, each block quantization one quantized linear of the workload runs per step (the
 largest: mlp's 4096 x 4096, charlm's 256 -> 1024 over 2048 tokens; activations and gradients bf16 in

@@ -1,8 +1,7 @@
-"""Emulated fp8 / MX / NVFP4 training of JAX convolutions (``polyamp/jax/recipe_conv.py``): the forward
-and both gradients against ``lax.conv_general_dilated`` and its VJP at operands the numpy core quantizes
-(blocked axes moved last), stateful recipes' seeds and delayed scales, keep lists, and a small CNN."""
-
-import functools
+"""Emulated fp8 / MX / NVFP4 training of JAX convolutions (``polyamp/jax/recipe_conv.py``): stateful
+recipes' seeds and delayed scales against ``lax.conv_general_dilated`` and its VJP at operands the numpy
+core quantizes (blocked axes moved last), keep lists, and a small CNN (the stateless forward and both
+gradients: ``test_recipe_conv_frameworks.py``)."""
 
 import numpy as np
 import pytest
@@ -90,51 +89,9 @@ def reference(r, x, w, g, kw, calls=0, n=1, j=0, scales=(None, None, None)):
     return convolve(xq, wq), dx, dw
 
 
-@functools.cache
-def convolutions(spec, case, computes=(F32,)):
-    """The operands of ``case`` and (y, dx, dW) of the recipe's convolution with products in each of
-    ``computes``, in one compiled program (op by op, each of the quantizer's operations would compile
-    alone; the products' dtypes share the quantized operands)."""
-    r = recipes.parse_recipe(spec)
-    x, w, g, kw = operands(case, 3)
-    fns = [conv(r, compute, F32, F32, params(x, w, kw)) for compute in computes]
-
-    @jax.jit
-    def forward_and_back(x, w, g):
-        return [(y, *vjp(g)) for y, vjp in (jax.vjp(fn, x, w) for fn in fns)]
-
-    return (x, w, g, kw), forward_and_back(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g))
-
-
-MX_BF16 = ("mxfp8:scale_rule=floor", "nchw-groups", (F32, jnp.bfloat16))  # also the bfloat16 products
-
-
-# NVFP4 rounds its gradients stochastically: its cases are the stateful ones below
-@pytest.mark.parametrize(("spec", "case"), [("fp8-tensorwise", "nchw-groups"), ("mxfp8", "nhwc"),
-                                            ("mxfp8:scale_rule=floor", "nchw-groups")])  # fmt: skip
-def test_forward_and_both_gradients_are_the_quantized_convolutions(spec, case):
-    """Bit for bit: the same convolutions (JAX's own transposes) of the same quantized operands."""
-    r = recipes.parse_recipe(spec)
-    (x, w, g, kw), outs = convolutions(*MX_BF16) if (spec, case) == MX_BF16[:2] else convolutions(spec, case)
-    y, dx, dw = outs[0]
-    want = reference(r, x, w, g, kw)
-    assert same(y, want[0]) and same(dx, want[1]) and same(dw, want[2])
-
-
-def test_bfloat16_products_accumulate_in_float32_in_all_three_convolutions():
-    """MX e4m3 values are bfloat16 numbers, so bfloat16 products summed in float32 give the float32
-    convolutions up to summation order; summed in bfloat16 they would be off by ~2^-8."""
-    r = recipes.parse_recipe(MX_BF16[0])
-    (x, w, g, kw), outs = convolutions(*MX_BF16)
-    got = outs[1]
-    for a, want in zip(got, reference(r, x, w, g, kw)):
-        assert a.dtype == F32
-        np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6 * float(np.abs(want).max()))
-
-
 # NVFP4 once (each compiles slowly): 16x16 kernel tiles, stochastic gradients and Hadamard tiles along
-# the batch axes (the 1-d kernel's extra input-gradient operand: MX's in the test above, with a matmul's
-# seeds in test_jax_recipes.py); delayed scales; per-tensor stochastic gradients
+# the batch axes (the 1-d kernel's extra input-gradient operand: MX's in test_recipe_conv_frameworks.py,
+# with a matmul's seeds in test_jax_recipes.py); delayed scales; per-tensor stochastic gradients
 STATEFUL = [("nvfp4:hadamard=true", "nchw-groups"), ("fp8-delayed:margin=1", "nhwc"),
             ("fp8-tensorwise:grad_rounding=stochastic", "nchw-groups")]  # fmt: skip
 
@@ -271,7 +228,7 @@ def test_a_small_cnn_trains_with_mxfp8():
         return optax.apply_updates(p, updates), s, loss
 
     losses = []
-    for x, y in cnn_batches(12):
+    for x, y in cnn_batches(8):
         p, s, loss = step(p, s, x, y)
         losses.append(float(loss))
     assert np.mean(losses[-3:]) < 0.7 * losses[0], losses

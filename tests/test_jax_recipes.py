@@ -1,6 +1,6 @@
-"""Emulated fp8 / MX / NVFP4 training in JAX (``polyamp/jax/recipe.py``): quantization against the numpy
-core bit for bit, the three GEMMs against the same products of core-quantized operands, keep lists,
-training under jit, and what is refused."""
+"""Emulated fp8 / MX / NVFP4 training in JAX (``polyamp/jax/recipe.py``): the stateful GEMMs (seeds and
+delayed scales of a step) against core-quantized operands, keep lists, training under jit, and what is
+refused (the stateless quantization and GEMMs against the numpy core: test_recipes_frameworks.py)."""
 
 import functools
 import math
@@ -21,15 +21,10 @@ from polyamp.jax import recipe_state as rs  # noqa: E402
 from polyamp.numerics import hadamard_tiles  # noqa: E402
 from polyamp.recipe_layers import RecipeWarning  # noqa: E402
 
-JAX_RECIPES = ["fp8-tensorwise", "mxfp8", "mxfp8:scale_rule=floor", "nvfp4:grad_rounding=nearest"]
-# one recipe of each kind the GEMMs treat differently: per-tensor scales, MX blocks (1-d weights, blocked
-# again along N for the input gradient), NVFP4 (16x16 weight tiles). A scale rule only travels through
-# ``jr.quantize`` to the blocks: ``test_each_operand_is_quantized_as_the_core_does`` takes both MX rules
-KINDS = ["fp8-tensorwise", "mxfp8", "nvfp4:grad_rounding=nearest"]
-# the operands' shapes of ``test_forward_and_both_gradients_are_the_quantized_gemms``: x [2, 16, 64] (x2
-# [32, 64] flattened), w [64, 96], g [32, 96]; the other tests quantize these shapes too where the shape
-# is not what they are about, so that each quantizer compiles once for the module
-X3, X2, W, G = (2, 16, 64), (32, 64), (64, 96), (32, 96)
+# the operands' shapes of test_recipes_frameworks.py's GEMM test: x [2, 16, 64] (x2 [32, 64] flattened),
+# w [64, 96], g [32, 96]; the tests here quantize these shapes too where the shape is not what they are
+# about, so that each quantizer compiles once per process
+X3, W, G = (2, 16, 64), (64, 96), (32, 96)
 
 
 def same(got, want) -> bool:
@@ -45,45 +40,6 @@ def wide(shape, seed):
     return x.astype(np.float32)
 
 
-@pytest.mark.parametrize("amax", [0.0, 1e-45, 1e-30, 0.37, 3.5, 448.0, 6e37, 3e38, math.inf, math.nan])
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-@pytest.mark.parametrize("margin", [0, 3])
-def test_current_scale_equals_the_core(amax, fmt, margin):
-    got = jo.current_scale(jnp.float32(amax), fmt, margin)
-    assert np.asarray(got).tobytes() == np.float32(recipes.current_scale(amax, fmt, margin)).tobytes()
-
-
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-def test_tensorwise_equals_the_core(fmt):
-    x = wide((64, 96), 1)
-    x[0, :6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-42]
-    # compiled, where XLA would turn the division by the scale into a product with its reciprocal (the
-    # eager path: test_each_operand_is_quantized_as_the_core_does)
-    f = jax.jit(jo.tensorwise, static_argnums=1)
-    for t in (x, x[1:], x[1:] * 2.0**-100, np.zeros((3, 4), np.float32)):
-        amax = float(np.max(np.abs(t))) if t.size else 0.0
-        want = recipes.quantize_tensorwise(t, fmt, recipes.current_scale(amax, fmt))
-        assert same(f(jnp.asarray(t), fmt), want)
-
-
-@pytest.mark.parametrize("spec", JAX_RECIPES)
-@pytest.mark.parametrize("operand", ["input", "weight", "grad"])
-def test_each_operand_is_quantized_as_the_core_does(spec, operand):
-    r = recipes.parse_recipe(spec)
-    x = wide({"input": X2, "weight": W, "grad": G}[operand], 2)
-    x[3, :40] = 0.0
-    for axis in (-1, 0):
-        got = jo.quantize_operand(jnp.asarray(x), r, operand, axis)
-        fmt = r.backward_format if operand == "grad" else r.forward_format
-        if r.kind != "block":
-            want = recipes.quantize_tensorwise(x, fmt, recipes.current_scale(float(np.abs(x).max()), fmt))
-        elif r.weight_2d and operand == "weight":
-            want = pa.quantize_blocks(x, fmt, axis=(-2, -1), block=(16, 16))
-        else:
-            want = pa.quantize_blocks(x, fmt, axis=axis, scale_rule=r.scale_rule)
-        assert same(got, want), (axis, operand)
-
-
 def test_a_transposed_operand_rounded_to_nearest_is_the_same_program():
     """Only stochastic rounding indexes a transposed operand's elements as its transpose's: rounded to
     nearest, ``transposed=True`` is blocking along axis 0, values and compilation alike."""
@@ -95,33 +51,6 @@ def test_a_transposed_operand_rounded_to_nearest_is_the_same_program():
     transposed = jo.quantize_operand(w, r, "weight", -1, transposed=True)
     assert same(transposed, jo.quantize_operand(w, r, "weight", 0))
     assert blocks64.values_jit._cache_size() <= before + 1  # (before: a program for each)
-
-
-@pytest.mark.parametrize("spec", [*KINDS, "nvfp4:grad_rounding=nearest:hadamard=true"])
-def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
-    r = recipes.parse_recipe(spec)
-    x, w, g = wide(X3, 3), wide(W, 4) / 8, wide(G, 5)
-    f32 = jnp.float32
-    fn = jr.dot(r, f32, f32, f32)
-    y, vjp = jax.vjp(fn, jnp.asarray(x), jnp.asarray(w))
-    dx, dw = vjp(jnp.asarray(g).reshape(2, 16, 96))
-
-    def q(a, operand, axis):
-        return jnp.asarray(np.asarray(jo.quantize_operand(jnp.asarray(a), r, operand, axis)))
-
-    def mm(a, b):
-        return jax.lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=f32)
-
-    block = r.kind == "block"
-    x2 = x.reshape(32, 64)
-    assert same(y, mm(q(x, "input", -1), q(w, "weight", 0)))
-    w_dgrad = q(w, "weight", 1) if block and not r.weight_2d else q(w, "weight", 0)
-    assert same(dx, mm(q(g, "grad", -1), w_dgrad.T).reshape(x.shape))
-    if r.hadamard:  # both wgrad operands times H in tiles of 16 along M first
-        x2, g = hadamard_tiles(x2, 0), hadamard_tiles(g, 0)
-    x_wgrad = q(x2, "input", 0) if block else q(x2, "input", -1)
-    g_wgrad = q(g, "grad", 0) if block else q(g, "grad", -1)
-    assert same(dw, mm(x_wgrad.T, g_wgrad))
 
 
 def init(dims, seed=0):
@@ -194,33 +123,12 @@ def test_jax_takes_every_recipe(spec):
     assert pa.MixedPrecision(spec, framework="jax").recipe == recipes.parse_recipe(spec)
 
 
-TILE_CASES = [((5,), -1), ((16,), 0), ((3, 40), -1), ((40, 3), 0), ((2, 33, 7), 1), ((64, 96), 0),
-              ((1, 1), -1), ((0, 4), 0)]  # fmt: skip
-
-
-@pytest.mark.parametrize(("shape", "axis"), TILE_CASES)
-def test_hadamard_tiles_equal_the_cores(shape, axis):
-    rng = np.random.default_rng(sum(shape))
-    x = (rng.standard_normal(shape) * np.exp2(rng.integers(-30, 30, shape))).astype(np.float32)
-    got = jax.jit(hadamard_tiles, static_argnums=1)(jnp.asarray(x), axis)
-    assert same(got, hadamard_tiles(x, axis))
-
-
-def test_hadamard_tiles_carry_specials_as_the_core_does():
-    # NaN and inf spoil their tile; sums past float32's range overflow to inf; -0.0 and partial tiles
-    x = np.float32([1, np.inf, 3, np.nan, 0, -0.0, 3e38, 3e38, 2, 2, 2, 2, 2, 2, 2, 2, 3e38, 3e38, 3e38,
-                    3e38, 1, -0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -0.0, 0.5, 0.25])  # fmt: skip
-    f = jax.jit(hadamard_tiles)  # one program per shape, not one per operation
-    for v in (x, -x, x[16:], np.full(16, -0.0, np.float32)):
-        assert same(f(jnp.asarray(v)), hadamard_tiles(v))
-
-
 # -- recipes that keep state: delayed scaling, stochastic rounding ----------------------------------------
 # the seeds' layouts: delayed scales (no seeds); per-tensor stochastic gradients (one seed per backward);
 # NVFP4 with 16x16 weights (three backward seeds); MX and NVFP4 with 1-d weights rounding the forward
 # stochastically too (two forward, four backward seeds). A history length, amax algorithm or margin only
 # changes the delayed update (test_the_delayed_update_is_the_cores_step_for_step); Hadamard tiles only the
-# wgrad operands (test_forward_and_both_gradients_are_the_quantized_gemms; with seeds, under jit,
+# wgrad operands (test_recipes_frameworks.py's GEMM tests; with seeds, under jit,
 # test_steps_draw_the_seeds_and_scales_of_torchs_recipe)
 STATEFUL = ["fp8-delayed", "fp8-tensorwise:grad_rounding=stochastic", "nvfp4",
             "mxfp8:forward_rounding=stochastic:grad_rounding=stochastic",

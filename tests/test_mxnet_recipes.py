@@ -1,21 +1,19 @@
 """Emulated fp8 / MX / NVFP4 training in MXNet Gluon (``polyamp/mxnet/quantize.py``, ``recipe.py``; run in
-.venv-mxnet): the quantization against the numpy core bit for bit, the three GEMMs against a hand
-computation, keep lists, checkpoints of the recipe state, training, and the errors.
+.venv-mxnet): bf16 products, keep lists, checkpoints of the recipe state, training, hybridized nets, and
+the errors (the quantization and the three GEMMs against the numpy core: test_recipes_frameworks.py and
+test_quantize_frameworks.py).
 
 MXNet's AMP is process-wide: a recipe's MixedPrecision sets up bf16-mixed once, before any network."""
 
 import json
-import math
 import warnings
 
-import ml_dtypes
 import numpy as np
 import pytest
 from frameworks import require
 
 import polyamp as pa
 from polyamp import PolyampError, UnsupportedError, recipes
-from polyamp.numerics import BLOCK_FORMATS, FORMATS, hadamard_tiles
 from polyamp.recipe_layers import RecipeWarning
 
 with warnings.catch_warnings():
@@ -28,7 +26,6 @@ from mxnet_caps import bf16_or_none, needs_bf16  # noqa: E402
 MP = bf16_or_none("fp8-tensorwise")  # amp.init, before any network exists (None: no bf16 here)
 from polyamp.mxnet import quantize as mq  # noqa: E402
 from polyamp.mxnet import recipe as mr  # noqa: E402
-from polyamp.mxnet.keep import dtype_name  # noqa: E402
 
 RECIPE_NAMES = list(recipes.RECIPES)
 L2 = gluon.loss.L2Loss()
@@ -49,14 +46,6 @@ def same(got, want) -> bool:
         return False
     nan = np.isnan(a)
     return np.array_equal(nan, np.isnan(b)) and a[~nan].tobytes() == b[~nan].tobytes()
-
-
-def specials(n, seed, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(n) * np.exp2(rng.integers(-30, 30, n))).astype(dtype)
-    tiny = 1e-42 if dtype == np.float32 else 1e-310  # a subnormal of x's dtype
-    x[:9] = [0.0, -0.0, math.inf, -math.inf, math.nan, tiny, 2.5, -0.75, 1.5]  # 2.5, 0.75, 1.5: ties
-    return x
 
 
 def mlp(seed=0, width=48, hybrid=False):
@@ -91,179 +80,7 @@ def train(net, mp, steps, start=0, trainer=None):
     return losses, trainer
 
 
-# -- quantization, bit for bit against the numpy core ----------------------------------------------
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("fmt", list(FORMATS))
-def test_quantize_equals_the_core_for_every_format_rounding_and_overflow(fmt, dtype):
-    x = specials(3000, seed=2, dtype=dtype)
-    for rounding in ("nearest", "stochastic", "toward_zero"):
-        for saturate in (False, True):
-            want = pa.quantize(x, fmt, rounding=rounding, saturate=saturate, seed=7)
-            got = pa.quantize(mx.nd.array(x, dtype=dtype), fmt, rounding=rounding, saturate=saturate, seed=7)
-            assert same(got, want), (rounding, saturate)
-
-
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "bf16", "fp16", "e2m1fn"])
-def test_16_bit_inputs_keep_the_core_s_result_dtype(fmt):
-    x = specials(500, seed=3).astype(np.float16)
-    assert same(pa.quantize(mx.nd.array(x, dtype="float16"), fmt), pa.quantize(x, fmt))
-    b = mx.nd.amp_cast(mx.nd.array(specials(500, seed=4)), dtype=BF16)
-    want = pa.quantize(host(b).astype(ml_dtypes.bfloat16), fmt, rounding="stochastic", seed=5)
-    got = pa.quantize(b, fmt, rounding="stochastic", seed=5)
-    assert dtype_name(got.dtype) == want.dtype.name and same(got, want.astype(np.float32))
-
-
-def test_bf16_signed_zeros_and_subnormals_keep_their_bits_in_and_out():
-    """Regression: the bf16 input and result went through oneDNN's amp_cast, which on a CPU without
-    AVX-512 turns -0 into +0 and flushes subnormals: quantize(bf16 x, 'bf16') must be x, bit for bit."""
-    bits = np.array([0x8000, 0x0001, 0x8001, 0x007F, 0x3FC0, 0xFF80], np.uint16)  # -0, subnormals, 1.5, -inf
-    x = mx.nd.cast(mx.nd.array(bits.view(ml_dtypes.bfloat16).astype(np.float32)), dtype=BF16)
-    for out in (pa.quantize(x, "bf16"), pa.quantize(x, "bf16", rounding="stochastic", seed=3)):
-        assert dtype_name(out.dtype) == "bfloat16" and out.asnumpy().view(np.uint16).ravel().tolist() == \
-            bits.tolist()
-    assert same(pa.quantize(x, "fp16"), pa.quantize(bits.view(ml_dtypes.bfloat16), "fp16"))  # float32 result
-
-
-@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS))
-def test_quantize_blocks_equals_the_core_on_shapes_axes_rules_and_specials(fmt):
-    bf = BLOCK_FORMATS[fmt]
-    cases = [((37, 70), -1), ((37, 70), 0), ((3, 64, 5), 1), ((64,), 0)]  # partial blocks; zero blocks below
-    for i, (shape, axis) in enumerate(cases):
-        x = specials(int(np.prod(shape)), seed=10 + i).reshape(shape)
-        x[1] = 0.0
-        for rule in bf.rules or (None,):
-            for rounding in ("nearest", "stochastic"):
-                want = pa.quantize_blocks(x, fmt, axis=axis, scale_rule=rule, rounding=rounding, seed=3)
-                got = pa.quantize_blocks(mx.nd.array(x), fmt, axis=axis, scale_rule=rule, rounding=rounding,
-                                         seed=3)  # fmt: skip
-                assert same(got, want), (shape, axis, rule, rounding)
-    if bf.blocks_2d:
-        for shape in ((40, 35), (2, 32, 48)):
-            x = specials(int(np.prod(shape)), seed=20).reshape(shape)
-            for rounding in ("nearest", "stochastic"):
-                want = pa.quantize_blocks(x, fmt, axis=(-2, -1), block=(16, 16), rounding=rounding, seed=4)
-                got = pa.quantize_blocks(mx.nd.array(x), fmt, block=(16, 16), rounding=rounding, seed=4)
-                assert same(got, want), (shape, rounding)
-    x64 = specials(96, seed=21, dtype=np.float64).reshape(3, 32)
-    assert same(pa.quantize_blocks(mx.nd.array(x64, dtype="float64"), fmt), pa.quantize_blocks(x64, fmt))
-
-
-def test_pa_quantize_and_quantize_blocks_take_an_ndarray_and_return_one():
-    x = specials(640, seed=30).reshape(20, 32)
-    scalar = {"rounding": "stochastic", "seed": 9}
-    got = pa.quantize(mx.nd.array(x), "e4m3fn", **scalar)
-    assert isinstance(got, mx.nd.NDArray) and same(got, pa.quantize(x, "e4m3fn", **scalar))
-    blocks = {"axis": 0, "scale_rule": "floor"}
-    got = pa.quantize_blocks(mx.nd.array(x), "mxfp8_e4m3", **blocks)
-    assert isinstance(got, mx.nd.NDArray) and same(got, pa.quantize_blocks(x, "mxfp8_e4m3", **blocks))
-    with pytest.raises(PolyampError, match="block"):
-        pa.quantize_blocks(mx.nd.array(x), "mxfp4", block=16)
-
-
-@pytest.mark.parametrize("amax", [0.0, 1e-45, 1e-30, 0.37, 3.5, 448.0, 6e37, 3e38, math.inf, math.nan])
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-@pytest.mark.parametrize("margin, eps", [(0, 0.0), (2, 0.0), (0, 1e-12)])
-def test_current_scale_equals_the_core(amax, fmt, margin, eps):
-    got = mq.current_scale(mx.np.array(np.array([amax], np.float32)), fmt, margin, eps).asnumpy()
-    want = recipes.current_scale(amax, fmt, margin, eps)
-    assert got.dtype == np.float32 and got.tobytes() == np.float32(want).tobytes()
-
-
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-def test_tensorwise_cast_equals_the_core(fmt):
-    x = specials(5000, seed=6)
-    for scale in (1.0, 0.5, 3.0, 2.0**-20, 1e30, 448.0 / 7.3):
-        assert same(
-            mq.quantize_tensorwise(mx.nd.array(x), fmt, scale), recipes.quantize_tensorwise(x, fmt, scale)
-        )
-    got = mq.quantize_tensorwise(mx.nd.array(x), fmt, 8.0, "stochastic", 11)
-    assert same(got, recipes.quantize_tensorwise(x, fmt, 8.0, rounding="stochastic", seed=11))
-
-
-@pytest.mark.parametrize("name", RECIPE_NAMES)
-@pytest.mark.parametrize("operand", ["input", "weight", "grad"])
-def test_each_operand_is_quantized_as_the_core_does(name, operand):
-    """The Quantizer's output, for each recipe and operand, against the numpy core's functions."""
-    r = recipes.get_recipe(name)
-    q = mr.Quantizer(r)
-    rng = np.random.default_rng(4)
-    x = (rng.standard_normal((48, 64)) * np.exp2(rng.integers(-8, 8, (48, 1)))).astype(np.float32)
-    x[3, 5] = 0.0
-    fmt = r.backward_format if operand == "grad" else r.forward_format
-    rounding = r.grad_rounding if operand == "grad" else r.forward_rounding
-    ds = recipes.DelayedScaling(fmt) if r.kind == "delayed" else None
-    for axis in (-1, 0):
-        got = q(mx.nd.array(x), "layer", operand, axis=axis)
-        seed = q.calls if rounding == "stochastic" else None
-        if r.kind == "block":
-            two_d = r.weight_2d and operand == "weight"
-            block = (16, 16) if two_d else None
-            want = pa.quantize_blocks(x, fmt, axis=(-2, -1) if two_d else axis, block=block,
-                                      scale_rule=r.scale_rule, rounding=rounding, seed=seed)  # fmt: skip
-        else:
-            scale = ds.scale if ds is not None else recipes.current_scale(float(np.abs(x).max()), fmt)
-            want = recipes.quantize_tensorwise(x, fmt, scale, rounding=rounding, seed=seed)
-            if ds is not None:  # the next call uses the scale this one leaves
-                ds.update(float(np.abs(x).max()))
-        assert same(got, want), (axis, operand)
-
-
-# -- the three GEMMs against a hand computation -----------------------------------------------------
-def fc(a, b_t, bias=None):
-    """a @ b_t^T (+ bias) by MXNet's float32 FullyConnected, the recipe's product in fp32."""
-    args = [mx.nd.array(a), mx.nd.array(b_t)] + ([mx.nd.array(bias)] if bias is not None else [])
-    return mr._FC(*args, no_bias=bias is None, num_hidden=b_t.shape[0]).asnumpy()
-
-
-@pytest.mark.parametrize(("name", "hadamard"), [("fp8-tensorwise", False), ("mxfp8", False), ("nvfp4", False),
-                                               ("nvfp4", True)])  # fmt: skip
-def test_forward_and_both_gradients_are_the_quantized_gemms(name, hadamard):
-    extra = {"hadamard": True} if hadamard else {}
-    r = recipes.get_recipe(name, keep=(), grad_rounding="nearest", compute_dtype="fp32", **extra)
-    rng = np.random.default_rng(5)
-    x, w, b, gy = (rng.standard_normal(s).astype(np.float32) for s in ((32, 48), (64, 48), (64,), (32, 64)))
-    X, W, B = mx.nd.array(x), mx.nd.array(w), mx.nd.array(b)
-    for t in (X, W, B):
-        t.attach_grad()
-    with autograd.record():
-        y = mr.QuantizedDense(mr.Quantizer(r), "l", "fp32")(W, B, X)
-    y.backward(mx.nd.array(gy))
-
-    def q(t, fmt, axis=-1, two_d=False):
-        if r.kind != "block":
-            return recipes.quantize_tensorwise(t, fmt, recipes.current_scale(float(np.abs(t).max()), fmt))
-        out = pa.quantize_blocks(t, fmt, axis=(-2, -1) if two_d else axis, block=(16, 16) if two_d else None,
-                                 scale_rule=r.scale_rule)  # fmt: skip
-        return np.asarray(out, np.float32)
-
-    f, bk, two_d = r.forward_format, r.backward_format, r.weight_2d
-    wq = q(w, f, two_d=two_d)
-    assert np.array_equal(y.asnumpy(), fc(q(x, f), wq, b))
-    w_dgrad = wq if (two_d or r.kind != "block") else q(w, f, axis=0)
-    assert np.array_equal(X.grad.asnumpy(), fc(q(gy, bk), w_dgrad.T))
-    x_wgrad = q(x, f) if r.kind != "block" else q(x, f, axis=0)
-    g_wgrad = q(gy, bk) if r.kind != "block" else q(gy, bk, axis=0)
-    if hadamard:  # g^T and x^T times H in tiles of 16 along M (32 rows: no padding), then quantized
-        x_wgrad, g_wgrad = q(hadamard_tiles(x.T), f).T, q(hadamard_tiles(gy.T), bk).T
-        assert not np.array_equal(x_wgrad, q(x, f, axis=0))
-    assert np.array_equal(W.grad.asnumpy(), fc(g_wgrad.T, x_wgrad.T))
-    assert np.array_equal(B.grad.asnumpy(), mx.nd.sum(mx.nd.array(gy), axis=0).asnumpy())
-
-
-def test_unquantized_gemms_take_their_operands_as_they_are():
-    r = recipes.get_recipe("fp8-tensorwise", keep=(), compute_dtype="fp32", quantize_input_grad=False,
-                           quantize_weight_grad=False)  # fmt: skip
-    rng = np.random.default_rng(6)
-    x, w, gy = (rng.standard_normal(s).astype(np.float32) for s in ((8, 16), (4, 16), (8, 4)))
-    X, W = mx.nd.array(x), mx.nd.array(w)
-    X.attach_grad()
-    W.attach_grad()
-    with autograd.record():
-        y = mr.QuantizedDense(mr.Quantizer(r), "l", "fp32")(W, X)
-    y.backward(mx.nd.array(gy))
-    assert np.array_equal(X.grad.asnumpy(), fc(gy, w.T)) and np.array_equal(W.grad.asnumpy(), fc(gy.T, x.T))
-
-
+# -- the GEMMs' compute dtype --------------------------------------------------------------------------
 @needs_bf16
 def test_bf16_products_round_the_quantized_operands_to_bf16():
     r = recipes.get_recipe("mxfp8", keep=())
@@ -422,6 +239,7 @@ def test_a_hybridized_dense_takes_any_rank_deferred_shapes_and_a_new_recipe():
     """Dense(flatten=False) on 3-D input and Dense(flatten=True) on 4-D, with in_units left to deferred
     initialisation, hybridized: the outputs and gradients of the imperative run. mp.watch with another
     recipe re-traces the graph."""
+
     def build():
         net = gluon.nn.HybridSequential()
         net.add(gluon.nn.Dense(8, flatten=False), gluon.nn.Dense(5, flatten=False, activation="tanh"),

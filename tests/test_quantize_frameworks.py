@@ -438,6 +438,8 @@ def test_blocks_match_core_on_shapes_axes_rules_and_specials(fw, fmt):
             for rounding in ("nearest", "stochastic"):
                 kw = dict(axis=(-2, -1), block=(16, 16), rounding=rounding, seed=4)
                 check(fw, pa.quantize_blocks, x, fmt, **kw)
+                got = pa.quantize_blocks(fw.tensor(x), fmt, block=(16, 16), rounding=rounding, seed=4)
+                same_bits(fw, got, core(pa.quantize_blocks, x, fmt, **kw))  # the default axes: the last two
     check(fw, pa.quantize_blocks, mixed(96, seed=21, dtype=np.float64).reshape(3, 32), fmt)
 
 
@@ -702,4 +704,3 @@ def test_mxnet_amp_cast_bf16_inputs_keep_the_core_s_result_dtype(mx_fw):
         b = mx.nd.amp_cast(mx.nd.array(mixed(500, seed=4)), dtype=mx_fw.bf16)
         want = pa.quantize(mx_fw.numpy(b), fmt, rounding="stochastic", seed=5)
         same_bits(mx_fw, pa.quantize(b, fmt, rounding="stochastic", seed=5), want)
-

@@ -1,11 +1,10 @@
-"""Emulated fp8 / MX / NVFP4 training in Keras 3 (``polyamp/tensorflow/recipe.py``): quantization against
-the numpy core bit for bit (eagerly, where TF flushes float32 subnormals, and in ``tf.function``), the three
-GEMMs against the same products of core-quantized operands, keep lists, delayed-scaling and
-stochastic-rounding state resumed bit for bit, training in custom loops and ``fit``, and bad input."""
+"""Emulated fp8 / MX / NVFP4 training in Keras 3 (``polyamp/tensorflow/recipe.py``): keep lists, the GEMMs
+of EinsumDense and at open dimensions, eagerly, in ``tf.function`` and XLA, delayed-scaling and
+stochastic-rounding state resumed bit for bit, training in custom loops and ``fit``, and bad input (the
+quantization and Dense's three GEMMs against the numpy core: test_recipes_frameworks.py)."""
 
 import functools
 import json
-import math
 import warnings
 
 import numpy as np
@@ -22,10 +21,6 @@ from polyamp.numerics import hadamard_tiles  # noqa: E402
 from polyamp.recipe_layers import RecipeWarning  # noqa: E402
 from polyamp.tensorflow import recipe as tr  # noqa: E402
 
-# one of each kind (current and delayed scaling, MX and NVFP4 blocks); the variants below change only what
-# the Quantizer does (scale rule, grad rounding, margin), so their operands are tested, not their GEMMs
-KINDS = ["fp8-tensorwise", "fp8-delayed", "mxfp8", "nvfp4"]
-
 
 def same(got, want) -> bool:
     """Bit for bit, NaN payloads aside."""
@@ -40,47 +35,6 @@ def wide(shape, seed):
     return x.astype(np.float32)
 
 
-def bits_of(amax) -> tf.Tensor:
-    return tf.cast(tf.bitcast(tf.constant(np.float32(amax)), tf.uint32), tf.uint64)
-
-
-AMAXES = [0.0, 1e-45, 1e-40, 1e-30, 0.37, 3.5, 448.0, 6e37, 3e38, math.inf, math.nan]
-
-
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-@pytest.mark.parametrize("margin", [0, 3])
-def test_current_scale_equals_the_core(fmt, margin):
-    """Every amax at once, eagerly: ``current_scale`` is elementwise (one bit pattern per element)."""
-    amax = bits_of(AMAXES)
-    for eps in ((), (1e-12,)):  # the default (none), then torchao's floor
-        got = tr.current_scale(amax, fmt, margin, *eps).numpy()
-        want = np.float32([recipes.current_scale(a, fmt, margin, *eps) for a in AMAXES])
-        assert got.tobytes() == want.tobytes(), (eps, got, want)
-
-
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf.function"])
-def test_tensorwise_equals_the_core(fmt, traced):
-    """Eagerly op by op; traced as the recipe runs it, fp8-tensorwise's ``Quantizer`` (its graph of the
-    input's or the grad's shape in ``gemm_case``: the one test_each_operand_is_quantized_as_the_core_does
-    runs)."""
-    x = wide((32, 64) if fmt == "e4m3fn" else (32, 96), 1)
-    finite = x.copy()
-    x[0, :6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-42]
-
-    def run(t):
-        amax = tr._amax_bits(t)
-        return tr.tensorwise(t, fmt, tr.current_scale(amax, fmt), 0, None)
-
-    if traced:
-        q = tr.Quantizer(recipes.parse_recipe("fp8-tensorwise"))
-        run = functools.partial(q, layer="layer", operand="input" if fmt == "e4m3fn" else "grad")
-    for t in (x, finite, finite * 2.0**-100, np.zeros_like(x)):  # all subnormal: scaled up
-        amax = float(np.max(np.abs(t))) if t.size else 0.0
-        want = recipes.quantize_tensorwise(t, fmt, recipes.current_scale(amax, fmt))
-        assert same(run(tf.constant(t)), want)
-
-
 def core(x, r, operand, axis, seed=None, scale=None):
     """The numpy core's quantization of ``x`` as the recipe's ``operand``."""
     fmt = r.backward_format if operand == "grad" else r.forward_format
@@ -92,34 +46,6 @@ def core(x, r, operand, axis, seed=None, scale=None):
     if r.weight_2d and operand == "weight":
         return pa.quantize_blocks(x, fmt, axis=(-2, -1), block=(16, 16))
     return pa.quantize_blocks(x, fmt, axis=axis, scale_rule=r.scale_rule, rounding=rounding, seed=seed)
-
-
-@pytest.mark.parametrize(("spec", "operand"), [
-    ("fp8-tensorwise", "input"), ("fp8-tensorwise", "grad"), ("fp8-delayed", "input"),
-    ("fp8-delayed", "grad"), ("mxfp8", "input"), ("mxfp8:scale_rule=floor", "input"), ("nvfp4", "input"),
-    ("nvfp4", "weight"), ("nvfp4", "grad"), ("nvfp4:grad_rounding=nearest", "grad"),
-    ("fp8-tensorwise:margin=2:compute_dtype=fp32", "input"),
-])  # fmt: skip
-def test_each_operand_is_quantized_as_the_core_does(spec, operand):
-    """The operand picks the format and rounding (grad: the backward's) and NVFP4's 16x16 weight blocks;
-    otherwise a weight is quantized as an input is (mxfp8's grad too: same format, nearest). Each operand
-    has its shape in ``gemm_case``, whose kernels' graphs (``graph_call``, per shape) it then reuses."""
-    r = recipes.parse_recipe(spec)
-    x = wide({"input": (32, 64), "weight": (64, 96), "grad": (32, 96)}[operand], 2)
-    x[3, :40] = 0.0
-    q = tr.Quantizer(r)
-    history = recipes.DelayedScaling.from_recipe(r, operand == "grad") if r.kind == "delayed" else None
-    for axis in (-1, 0, -1):
-        got = q(tf.constant(x), "layer", operand, axis)
-        stochastic = (r.grad_rounding if operand == "grad" else r.forward_rounding) == "stochastic"
-        seed = int(q.calls.numpy()) if stochastic else None
-        want = core(x, r, operand, axis, seed, None if history is None else history.scale)
-        if history is not None:
-            history.update(float(np.abs(x).max()))
-            x = x * 3  # the next call's scale comes from this one's amax
-        assert same(got, want), (axis, operand)
-    if history is not None:
-        assert q.state_dict()["delayed"]["layer|" + operand] == history.state_dict()
 
 
 def test_an_eager_delayed_update_runs_in_one_graph(monkeypatch):
@@ -153,31 +79,6 @@ def gemm_case(spec, compute=tf.float32):
         y = fn(xt, wt)
     dx, dw = tape.gradient(y, [xt, wt], output_gradients=tf.constant(g.reshape(2, 16, 96)))
     return r, (x, w, g), (y, dx, dw), q
-
-
-@pytest.mark.parametrize("spec", [*KINDS, "nvfp4:hadamard=true"])
-def test_forward_and_both_gradients_are_the_quantized_gemms(spec):
-    r, (x, w, g), (y, dx, dw), q = gemm_case(spec)
-    block = r.kind == "block"
-    sr = r.grad_rounding == "stochastic"  # seeds: the counter, in call order (grad along N, then M)
-
-    def mm(a, b):
-        return tf.linalg.matmul(
-            tf.constant(np.asarray(a, np.float32)), tf.constant(np.asarray(b, np.float32))
-        )
-
-    x2 = x.reshape(32, 64)
-    scale = 1.0 if r.kind == "delayed" else None  # a fresh history's scale
-    xq, wq = core(x2, r, "input", -1, scale=scale), core(w, r, "weight", 0, scale=scale)
-    assert same(y, tf.reshape(mm(xq, wq), (2, 16, 96)))
-    g_dgrad = core(g, r, "grad", -1, seed=1 if sr else None, scale=scale)
-    w_dgrad = core(w, r, "weight", 1) if block and not r.weight_2d else wq
-    assert same(dx, tf.reshape(mm(g_dgrad, w_dgrad.T), x.shape))
-    x_w, g_w = (hadamard_tiles(x2, 0), hadamard_tiles(g, 0)) if r.hadamard else (x2, g)  # tiles along M
-    x_wgrad = core(x_w, r, "input", 0) if block else xq
-    g_wgrad = core(g_w, r, "grad", 0, seed=2 if sr else None) if block else g_dgrad
-    assert same(dw, mm(x_wgrad.T, g_wgrad))
-    assert int(q.calls.numpy()) == (2 if sr else 0)
 
 
 def test_products_run_in_the_compute_dtype():
@@ -440,16 +341,6 @@ def test_bad_input_is_one_clear_error():
         pa.MixedPrecision("mxfp8", framework="tensorflow").load_state_dict(mp.state_dict())
     with pytest.raises(PolyampError, match="keep entry 'nothing' matches no layer"):
         pa.MixedPrecision("mxfp8:keep=nothing", framework="tensorflow").watch(model)
-
-
-@pytest.mark.parametrize(("shape", "axis"), [((37, 5), 0), ((3, 40), -1), ((2, 33, 7), 1), ((0, 4), 0)])
-def test_hadamard_tiles_equal_the_cores(shape, axis):
-    tf_tiles = hadamard_tiles  # the core's, run on TF tensors over polyamp.tensorflow.xp
-    x = wide(shape, 9) if math.prod(shape) else np.zeros(shape, np.float32)
-    signature = [tf.TensorSpec([None] * len(shape), tf.float32)]  # the tiled axis of unknown length
-    traced = tf.function(lambda v: tf_tiles(v, axis), input_signature=signature)
-    for got in (tf_tiles(tf.constant(x), axis), traced(tf.constant(x))):
-        assert same(got, hadamard_tiles(x, axis))
 
 
 # -- EinsumDense (MultiHeadAttention's projections) ------------------------------------------------------

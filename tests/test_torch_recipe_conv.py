@@ -1,6 +1,6 @@
-"""Emulated fp8 / MX / NVFP4 convolutions in PyTorch (``polyamp/torch/recipe_conv.py``): the forward and
-both gradients against torch's own convolution and its gradients evaluated at operands the numpy core
-quantized, the geometry arguments, the keep list over convolutions, and training."""
+"""Emulated fp8 / MX / NVFP4 convolutions in PyTorch (``polyamp/torch/recipe_conv.py``): NVFP4's
+stochastic gradients against the core's stream, the keep list over convolutions, and training (the
+forward, both gradients and the geometry arguments: ``test_recipe_conv_frameworks.py``)."""
 
 from dataclasses import replace
 
@@ -12,26 +12,19 @@ from torch.nn import functional as F
 
 import polyamp as pa
 from polyamp import recipes
-from polyamp.numerics import hadamard as core_hadamard
 from polyamp.torch import recipe as tr
 from polyamp.torch import recipe_conv as tc
 
-GEOMETRIES = {  # (input shape, weight shape, stride, padding, dilation, groups)
-    "conv2d": ((6, 8, 9, 9), (16, 8, 3, 3), 2, 1, 1, 1),
-    "conv2d-groups": ((5, 32, 6, 7), (34, 16, 3, 2), 1, (1, 0), (1, 2), 2),
-    "conv1d": ((4, 40, 11), (24, 40, 3), 1, 2, 1, 1),
-}
+# input shape, weight shape, stride, padding, dilation, groups
+CONV2D = ((6, 8, 9, 9), (16, 8, 3, 3), 2, 1, 1, 1)
 
 
 def core(t: torch.Tensor, r, operand: str, axis: int, seed=None) -> torch.Tensor:
-    """``t`` quantized by the numpy core as the recipe's ``operand``, blocks along ``axis`` (moved last)."""
-    grad = operand == "grad"
-    fmt = r.backward_format if grad else r.forward_format
+    """``t`` quantized by the numpy core as the block recipe's ``operand``, blocks along ``axis`` (moved
+    last; NVFP4's weight in 16x16 tiles of its (O, I) axes)."""
+    fmt = r.backward_format if operand == "grad" else r.forward_format
     rounding = "stochastic" if seed is not None else "nearest"
     a = t.detach().numpy()
-    if r.kind != "block":
-        out = recipes.quantize_tensorwise(a, fmt, recipes.current_scale(float(np.abs(a).max()), fmt))
-        return torch.from_numpy(np.asarray(out, np.float32))
     if r.weight_2d and operand == "weight":
         moved = np.moveaxis(a, (0, 1), (-2, -1))
         out = pa.quantize_blocks(moved, fmt, axis=(-2, -1), block=(16, 16))
@@ -42,9 +35,9 @@ def core(t: torch.Tensor, r, operand: str, axis: int, seed=None) -> torch.Tensor
     return torch.from_numpy(np.moveaxis(np.asarray(out, np.float32), -1, axis).copy())
 
 
-def operands(geometry, seed):
+def operands(seed):
     g = torch.Generator().manual_seed(seed)
-    xs, ws, *rest = GEOMETRIES[geometry]
+    xs, ws, *rest = CONV2D
     x = (torch.randn(xs, generator=g) * torch.exp2(torch.randint(-6, 6, xs[:2], generator=g).float())[
         (...,) + (None,) * (len(xs) - 2)]).requires_grad_()  # fmt: skip
     w = (torch.randn(ws, generator=g) / 4).requires_grad_()
@@ -63,72 +56,19 @@ def run(r, x, w, b, rest):
     return y, gy
 
 
-@pytest.mark.parametrize("geometry", list(GEOMETRIES))
-@pytest.mark.parametrize("spec", ["fp8-tensorwise", "mxfp8:scale_rule=floor", "mxfp8", "nvfp4",
-                                  "nvfp4:hadamard=true"])  # fmt: skip
-def test_forward_and_both_gradients_are_the_quantized_implicit_gemms(geometry, spec):
-    r = replace(recipes.parse_recipe(spec), keep=(), grad_rounding="nearest", compute_dtype="fp32")
-    x, w, b, rest = operands(geometry, seed=len(spec))
-    y, gy = run(r, x, w, b, rest)
-    stride, padding, dilation, groups = rest
-    nd = x.dim() - 2
-    conv = (F.conv1d, F.conv2d)[nd - 1]
-    wq = core(w, r, "weight", 1)
-    assert torch.equal(y, conv(core(x, r, "input", 1), wq, b, stride, padding, dilation, groups))
-    w_dgrad = wq if (r.weight_2d or r.kind != "block") else core(w, r, "weight", 0)
-    dx = tc._INPUT_GRAD[nd](x.shape, w_dgrad, core(gy, r, "grad", 1), stride, padding, dilation, groups)
-    assert torch.equal(x.grad, dx)
-    xw, gw = x.detach(), gy
-    if r.hadamard:
-        xw = torch.from_numpy(core_hadamard.hadamard_tiles(xw.numpy(), 0))
-        gw = torch.from_numpy(core_hadamard.hadamard_tiles(gy.numpy(), 0))
-    axis = 0 if r.kind == "block" else 1  # a per-tensor recipe has no axis: its forward cast again
-    dw = tc._WEIGHT_GRAD[nd](core(xw, r, "input", axis), w.shape, core(gw, r, "grad", axis), stride, padding,
-                             dilation, groups)  # fmt: skip
-    assert torch.equal(w.grad, dw)
-    assert torch.equal(b.grad, gy.sum([0, *range(2, gy.dim())]))
-
-
 def test_stochastic_gradients_follow_the_quantizer_counter():
     """NVFP4's stochastic gradient rounding: the seeds are the Quantizer's call numbers (x 1, W 2, g for
     the input gradient 3, g for the weight gradient 4, x 5: the linear layers' order, and JAX's),
     each against the core's stream."""
     r = replace(recipes.get_recipe("nvfp4", keep=()), compute_dtype="fp32")
-    x, w, b, rest = operands("conv2d", seed=3)
+    x, w, b, rest = operands(seed=3)
     y, gy = run(r, x, w, b, rest)
-    stride, padding, dilation, groups = rest
     dx = tc._INPUT_GRAD[2](x.shape, core(w, r, "weight", 1), core(gy, r, "grad", 1, seed=3), *rest)
     assert torch.equal(x.grad, dx)
     dw = tc._WEIGHT_GRAD[2](core(x, r, "input", 0), w.shape, core(gy, r, "grad", 0, seed=4), *rest)
     assert torch.equal(w.grad, dw)
     nearest = tc._WEIGHT_GRAD[2](core(x, r, "input", 0), w.shape, core(gy, r, "grad", 0), *rest)
     assert not torch.equal(w.grad, nearest)
-
-
-@pytest.mark.parametrize(
-    "func, xs, ws, kwargs",
-    [
-        (F.conv2d, (2, 3, 8, 7), (4, 3, 4, 3), {"padding": "same"}),  # odd total padding on one axis
-        (F.conv2d, (2, 3, 8, 7), (4, 3, 3, 3), {"padding": "same", "dilation": 2}),
-        (F.conv2d, (3, 8, 7), (4, 3, 3, 3), {"padding": "valid", "stride": (2, 1)}),  # unbatched
-        (F.conv1d, (2, 6, 10), (4, 3, 2), {"padding": 1, "groups": 2}),
-        (F.conv3d, (2, 2, 5, 4, 6), (3, 2, 2, 3, 2), {"stride": 2}),
-    ],
-)
-def test_geometry_arguments_match_torch_when_nothing_is_quantized(func, xs, ws, kwargs):
-    r = recipes.get_recipe("mxfp8", keep=(), compute_dtype="fp32", quantize_forward=False,
-                           quantize_input_grad=False, quantize_weight_grad=False)  # fmt: skip
-    g = torch.Generator().manual_seed(2)
-    x, w = torch.randn(xs, generator=g, requires_grad=True), torch.randn(ws, generator=g, requires_grad=True)
-    y = tc.quantized_conv(func, (x, w), kwargs, tr.Quantizer(r), "c", torch.float32)
-    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    want = func(x2, w2, **kwargs)
-    gy = torch.randn(want.shape, generator=g)
-    y.backward(gy)
-    want.backward(gy)
-    assert y.shape == want.shape and torch.allclose(y, want, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(w.grad, w2.grad, rtol=1e-5, atol=1e-5)
 
 
 def cnn(seed=0):
@@ -191,8 +131,8 @@ def test_a_cnn_trains_with_quantized_convolutions(name):
     bf16 = pa.MixedPrecision("bf16-mixed", framework="torch", device="cpu")
     losses = {}
     for m, p in ((model, mp), (ref, bf16)):
-        opt = torch.optim.Adam(m.parameters(), 3e-3)
-        for x, y in images(60):
+        opt = torch.optim.Adam(m.parameters(), 5e-3)
+        for x, y in images(40):
             opt.zero_grad()
             with p.autocast():
                 loss = F.mse_loss(m(x).float(), y)
@@ -200,7 +140,7 @@ def test_a_cnn_trains_with_quantized_convolutions(name):
             p.step(opt)
             losses.setdefault(p, []).append(loss.item())
     first, last, bf16_last = np.mean(losses[mp][:5]), np.mean(losses[mp][-5:]), np.mean(losses[bf16][-5:])
-    assert last < 0.7 * first and last < 1.3 * bf16_last  # bf16-mixed: 1.12 -> 0.61 here
+    assert last < 0.7 * first and last < 1.3 * bf16_last  # bf16-mixed: 1.14 -> 0.65 here
     assert not torch.equal(model[2].weight, ref[2].weight)
     if name == "fp8-delayed":  # each conv layer keeps its own amax histories
         histories = mp.state_dict()["recipe"]["state"]["delayed"]

@@ -1,10 +1,9 @@
-"""Emulated fp8 / MX / NVFP4 training in PyTorch (``polyamp/torch/recipe.py``): the quantization against
-the numpy core bit for bit, the three GEMMs against a hand computation, keep lists, delayed-scaling
-checkpoints, training, and the errors."""
+"""Emulated fp8 / MX / NVFP4 training in PyTorch (``polyamp/torch/recipe.py``): keep lists, delayed-scaling
+checkpoints, training, and the errors (the quantization and the three GEMMs against the numpy core:
+test_recipes_frameworks.py)."""
 
 import copy
 import json
-import math
 import warnings
 
 import numpy as np
@@ -14,26 +13,11 @@ from torch import nn
 
 import polyamp as pa
 from polyamp import PolyampError, recipes
-from polyamp.numerics import hadamard as core_hadamard
 from polyamp.numerics.hadamard import hadamard_tiles
 from polyamp.recipe_layers import RecipeWarning
 from polyamp.torch import recipe as tr
 
 RECIPE_NAMES = list(recipes.RECIPES)
-
-
-def same(got: torch.Tensor, want) -> bool:
-    """Bit for bit, NaN payloads aside (torch's float8 NaN widens to another float32 NaN than numpy's)."""
-    a, b = got.detach().numpy().astype(np.float32), np.asarray(want, np.float32)
-    nan = np.isnan(a)
-    return a.shape == b.shape and np.array_equal(nan, np.isnan(b)) and a[~nan].tobytes() == b[~nan].tobytes()
-
-
-def specials(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g).float())
-    x[:6] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-42])
-    return x
 
 
 def mlp(seed=0, width=48):
@@ -62,148 +46,11 @@ def train(model, mp, steps, lr=1e-2, start=0):
     return losses, opt
 
 
-# -- quantization, bit for bit against the numpy core ----------------------------------------------
-@pytest.mark.parametrize("amax", [0.0, 1e-45, 1e-30, 0.37, 3.5, 448.0, 6e37, 3e38, math.inf, math.nan])
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-@pytest.mark.parametrize("margin, eps", [(0, 0.0), (2, 0.0), (0, 1e-12)])
-def test_current_scale_equals_the_core(amax, fmt, margin, eps):
-    got = tr.current_scale(torch.tensor(amax, dtype=torch.float32), fmt, margin, eps)
-    want = recipes.current_scale(amax, fmt, margin, eps)
-    assert got.dtype == torch.float32 and got.numpy().tobytes() == np.float32(want).tobytes()
-
-
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2"])
-def test_tensorwise_cast_equals_the_core(fmt):
-    x = specials(20000, seed=2)
-    for scale in (1.0, 0.5, 3.0, 2.0**-20, 1e30, 448.0 / 7.3):
-        s = torch.tensor(scale, dtype=torch.float32)
-        got = tr._tensorwise(x, fmt, s, "nearest", None)
-        want = recipes.quantize_tensorwise(x.numpy(), fmt, scale)
-        assert same(got, want), scale
-
-
-def test_stochastic_tensorwise_equals_the_core():
-    x = specials(5000, seed=3)
-    got = tr._tensorwise(x, "e5m2", torch.tensor(8.0), "stochastic", 11)
-    want = recipes.quantize_tensorwise(x.numpy(), "e5m2", 8.0, rounding="stochastic", seed=11)
-    assert same(got, want)
-
-
-@pytest.mark.parametrize("name", RECIPE_NAMES)
-@pytest.mark.parametrize("operand", ["input", "weight", "grad"])
-def test_each_operand_is_quantized_as_the_core_does(name, operand):
-    """The Quantizer's output, for each recipe and operand, against the numpy core's functions."""
-    r = recipes.get_recipe(name)
-    q = tr.Quantizer(r)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(48, 64, generator=g) * torch.exp2(torch.randint(-8, 8, (48, 1), generator=g).float())
-    x[3, 5] = 0.0
-    fmt = r.backward_format if operand == "grad" else r.forward_format
-    rounding = r.grad_rounding if operand == "grad" else r.forward_rounding
-    for axis in (-1, 0):
-        got = q(x, "layer", operand, axis=axis)
-        seed = q.calls if rounding == "stochastic" else None
-        if r.kind == "block":
-            two_d = r.weight_2d and operand == "weight"
-            want = pa.quantize_blocks(x.numpy(), fmt, axis=(-2, -1) if two_d else axis,
-                                      block=(16, 16) if two_d else None, scale_rule=r.scale_rule,
-                                      rounding=rounding, seed=seed)  # fmt: skip
-        else:
-            ds = recipes.DelayedScaling(fmt) if r.kind == "delayed" else None
-            scale = ds.scale if ds is not None else recipes.current_scale(float(x.abs().max()), fmt)
-            if r.kind == "delayed" and axis == 0:  # the second call uses the scale the first one left
-                ds.update(float(x.abs().max()))
-                scale = ds.scale
-            want = recipes.quantize_tensorwise(x.numpy(), fmt, scale, rounding=rounding, seed=seed)
-        assert got.dtype == torch.float32
-        assert same(got, want), (axis, operand)
-
-
-# -- the three GEMMs against a hand computation -----------------------------------------------------
-@pytest.mark.parametrize("name", ["fp8-tensorwise", "mxfp8", "nvfp4"])
-def test_forward_and_both_gradients_are_the_quantized_gemms(name):
-    r = recipes.get_recipe(name, keep=(), grad_rounding="nearest", compute_dtype="fp32")
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(32, 48, generator=g, requires_grad=True)
-    w = torch.randn(64, 48, generator=g, requires_grad=True)
-    b = torch.randn(64, generator=g, requires_grad=True)
-    gy = torch.randn(32, 64, generator=g)
-    y = tr._QuantizedLinear.apply(x, w, b, tr.Quantizer(r), "l", torch.float32)
-    y.backward(gy)
-
-    def q(t, fmt, axis=-1, two_d=False):
-        if r.kind != "block":
-            scale = recipes.current_scale(float(t.detach().abs().max()), fmt)
-            return torch.from_numpy(recipes.quantize_tensorwise(t.detach().numpy(), fmt, scale))
-        out = pa.quantize_blocks(t.detach().numpy(), fmt, axis=(-2, -1) if two_d else axis,
-                                 block=(16, 16) if two_d else None, scale_rule=r.scale_rule)  # fmt: skip
-        return torch.from_numpy(np.asarray(out, np.float32))
-
-    f, bk, two_d = r.forward_format, r.backward_format, r.weight_2d
-    wq = q(w, f, two_d=two_d)
-    assert torch.equal(y, q(x, f) @ wq.t() + b)
-    w_dgrad = wq if (two_d or r.kind != "block") else q(w, f, axis=0)
-    assert torch.equal(x.grad, q(gy, bk) @ w_dgrad)
-    x_wgrad = q(x, f) if r.kind != "block" else q(x, f, axis=0)
-    g_wgrad = q(gy, bk) if r.kind != "block" else q(gy, bk, axis=0)
-    assert torch.equal(w.grad, g_wgrad.t() @ x_wgrad)
-    assert torch.equal(b.grad, gy.sum(0))
-
-
-def test_unquantized_gemms_take_their_operands_as_they_are():
-    r = recipes.get_recipe("fp8-tensorwise", keep=(), compute_dtype="fp32", quantize_input_grad=False,
-                           quantize_weight_grad=False)  # fmt: skip
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(8, 16, generator=g, requires_grad=True)
-    w = torch.randn(4, 16, generator=g, requires_grad=True)
-    gy = torch.randn(8, 4, generator=g)
-    tr._QuantizedLinear.apply(x, w, None, tr.Quantizer(r), "l", torch.float32).backward(gy)
-    assert torch.equal(x.grad, gy @ w.detach()) and torch.equal(w.grad, gy.t() @ x.detach())
-
-
 # -- NVFP4's random Hadamard transform on the weight-gradient operands ------------------------------
-HADAMARD_SHAPES = [(1, 16), (3, 37), (2, 1), (4, 15), (5, 17), (2, 64), (3, 100), (0, 20), (4, 0)]
-
-
-@pytest.mark.parametrize("shape", HADAMARD_SHAPES)
-def test_hadamard_tiles_equals_the_core(shape):
-    n = math.prod(shape)
-    x = specials(max(n, 6), seed=sum(shape))[:n].reshape(shape)
-    for t in (x, x.t(), x.unsqueeze(0).expand(2, *shape)):  # contiguous, transposed view, broadcast
-        for axis in range(-t.dim(), t.dim()):
-            got = hadamard_tiles(t, axis=axis)
-            want = core_hadamard.hadamard_tiles(t.numpy(), axis=axis)
-            assert got.dtype == torch.float32 and same(got, want), (tuple(t.shape), axis)
-
-
-def test_hadamard_tiles_dtypes_and_ranges():
-    g = torch.Generator().manual_seed(12)
-    x = torch.randn(6, 70, generator=g, dtype=torch.float64) * 1e3
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        t = x.to(dtype)
-        assert same(hadamard_tiles(t), core_hadamard.hadamard_tiles(t.float().numpy()))
-    tiny, big = 2.0**-149, float(np.finfo(np.float32).max)
-    for fill in (tiny, -tiny, 2.0**-130, 2.0**120, big, 0.0, -0.0):
-        t = torch.full((2, 16), fill) * torch.tensor([1.0, -1.0]).repeat(8)
-        assert same(hadamard_tiles(t), core_hadamard.hadamard_tiles(t.numpy())), fill
+# (its tiles and GEMMs against the core: test_recipes_frameworks.py)
+def test_hadamard_tiles_never_require_grad():
     w = torch.randn(4, 20, requires_grad=True)
     assert not hadamard_tiles(w).requires_grad
-
-
-@pytest.mark.parametrize(
-    "bad, match",
-    [
-        (torch.arange(16), r"received a torch.int64 tensor of shape \(16,\)"),
-        (torch.tensor(1.0), r"received a torch.float32 tensor of shape \(\)"),
-        (torch.ones(16, dtype=torch.complex64), r"received a torch.complex64 tensor"),
-    ],
-)
-def test_hadamard_tiles_errors(bad, match):
-    with pytest.raises(PolyampError, match=match):
-        hadamard_tiles(bad)
-    for axis in (2, -3, 1.0, True):
-        with pytest.raises(PolyampError, match=r"not an axis of a 2-d array; accepted: integers in \["):
-            hadamard_tiles(torch.ones(2, 16), axis=axis)
 
 
 @pytest.mark.parametrize("m", [16, 37, 64, 5])
@@ -216,42 +63,6 @@ def test_hadamard_leaves_the_wgrad_product_unchanged_without_quantization(m):
     bound = 8 * 2.0**-24 * (gt.double().abs() @ xt.double().abs().t()).numpy()
     assert (np.abs(got - want) <= bound).all()
     assert not np.array_equal(hadamard_tiles(gt)[:, :m].numpy(), gt.numpy())  # it did transform them
-
-
-@pytest.mark.parametrize("tokens", [(32,), (37,), (3, 7), (5,)])
-def test_hadamard_wgrad_is_the_gemm_of_core_transformed_quantized_operands(tokens):
-    r = recipes.get_recipe("nvfp4", keep=(), grad_rounding="nearest", compute_dtype="fp32", hadamard=True)
-    g = torch.Generator().manual_seed(sum(tokens))
-    x = torch.randn(*tokens, 48, generator=g, requires_grad=True)
-    w = torch.randn(64, 48, generator=g, requires_grad=True)
-    gy = torch.randn(*tokens, 64, generator=g)
-    y = tr._QuantizedLinear.apply(x, w, None, tr.Quantizer(r), "l", torch.float32)
-    y.backward(gy)
-
-    def q(t: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.asarray(pa.quantize_blocks(t, "nvfp4"), np.float32))
-
-    x2, g2 = x.detach().reshape(-1, 48).numpy(), gy.reshape(-1, 64).numpy()
-    gt = q(core_hadamard.hadamard_tiles(g2.T))  # along M, padded to a multiple of 16
-    xt = q(core_hadamard.hadamard_tiles(x2.T))
-    assert gt.shape[1] == -(-x2.shape[0] // 16) * 16
-    assert torch.equal(w.grad, gt @ xt.t())
-    # the forward and the input gradient are those of plain nvfp4
-    x0, w0 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    plain = recipes.get_recipe(r, hadamard=False)
-    y0 = tr._QuantizedLinear.apply(x0, w0, None, tr.Quantizer(plain), "l", torch.float32)
-    y0.backward(gy)
-    assert torch.equal(y, y0) and torch.equal(x.grad, x0.grad) and not torch.equal(w.grad, w0.grad)
-
-
-def test_hadamard_applies_only_where_the_wgrad_gemm_is_quantized():
-    r = recipes.get_recipe("nvfp4", keep=(), compute_dtype="fp32", hadamard=True, quantize_weight_grad=False)
-    g = torch.Generator().manual_seed(13)
-    x = torch.randn(20, 16, generator=g, requires_grad=True)
-    w = torch.randn(8, 16, generator=g, requires_grad=True)
-    gy = torch.randn(20, 8, generator=g)
-    tr._QuantizedLinear.apply(x, w, None, tr.Quantizer(r), "l", torch.float32).backward(gy)
-    assert torch.equal(w.grad, gy.t() @ x.detach())
 
 
 def test_nvfp4_with_hadamard_trains_from_its_spelling():

@@ -274,8 +274,10 @@ def _output(v, name: str, like):
 
 # -- Hadamard tiles and the recipes' GEMM rule ---------------------------------------------------------
 def tensor_facts(x) -> tuple[str, tuple]:
-    """``x``'s dtype name and shape."""
-    return x.dtype.__name__, tuple(x.shape)
+    """``x``'s dtype name (bfloat16 included) and shape."""
+    from .keep import dtype_name
+
+    return dtype_name(x.dtype), tuple(x.shape)
 
 
 def float32_tiles(x, axis: int, tile: int):

@@ -23,6 +23,11 @@ same four stages gets the same bits. A NaN or inf in a tile makes every value of
 inf (``inf - inf`` is NaN); a partial sum beyond float32's range overflows to inf before the final
 quarter (possible once a tile holds ``|x|`` above 2^124), and so spoils its tile the same way.
 
+On TensorFlow tensors and on JAX arrays on the CPU, whose float32 kernels flush subnormal inputs and
+results to zero, a tile whose values or partial sums fall below 2^-126 in magnitude differs from the
+core's there (``tests/test_recipes_frameworks.py`` counts such cases and marks them as known failures);
+torch, MXNet and numpy keep subnormals.
+
 ``SIGNS`` is ``-1`` where bit ``i`` of the first splitmix64 output for seed 0 (``0xE220A8397B1DCDAF``,
 splitmix64 as in ``rounding.py``) is set, ``+1`` where it is clear, for ``i = 0 .. 15``. (TE hard-codes
 another vector, ``nvfp4_tensor.py::get_wgrad_sign_vector``; any fixed choice is orthogonal.)
