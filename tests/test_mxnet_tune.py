@@ -4,6 +4,7 @@ of their own (contrib.amp is process-wide), the same losses as compare's MXNet t
 Runs in ``.venv-mxnet``; this process never calls ``amp.init``."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -102,7 +103,9 @@ def test_apply_builds_the_best_configuration_in_a_fresh_process(tmp_path):
                           "hybridized": bool(net._active), "settings": report.settings,
                           "warned": [str(w.message) for w in caught]}}))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a user's shell starts it
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["mp"] == out["policy"] and len(out["losses"]) == 3 and out["losses"][2] < out["losses"][0]
