@@ -7,12 +7,12 @@ import pytest
 from hypothesis import settings
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # pytest-xdist's workers share the cores: each framework computes on one thread per worker (and so do
-    # the processes a test starts), as two workers' full-width thread pools spin against each other
-    # (the suite ran 15 % longer). A test that needs more threads sets them itself.
+    # pytest-xdist's workers share the cores: torch, MXNet (OpenMP) and TensorFlow compute on one thread per
+    # worker (and so do the processes a test starts), as two workers' full-width OpenMP pools spin against
+    # each other. XLA keeps its threads: its single-threaded CPU path multiplies bf16 dots in float32,
+    # which tests/test_jax_autocast.py checks it does not. A test that needs more threads sets them itself.
     for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TF_NUM_INTRAOP_THREADS"):
         os.environ.setdefault(_name, "1")
-    os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
 
 settings.register_profile("polyamp", max_examples=300, deadline=None)
 settings.load_profile("polyamp")

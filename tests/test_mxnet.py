@@ -367,6 +367,16 @@ class Affine(gluon.HybridBlock):
         return F.broadcast_add(F.broadcast_mul(x, w), b)
 
 
+def init_first_trainer(trainer):
+    """``amp.init_trainer(trainer)`` as the process's first: contrib.amp's process-wide scaler, the one its
+    loss-output ops read, goes to the first trainer only and keeps what that trainer's steps did to it, so
+    a test that needs the ops to read its own trainer's scale resets it (at 2^16) and hands it over."""
+    amp.amp._loss_scaler.__init__()
+    amp.amp._amp_loss_scale_initialized = False
+    amp.init_trainer(trainer)
+    assert trainer._amp_loss_scaler is amp.amp._loss_scaler
+
+
 def native_loss_output_run(op, twin, steps=3):
     """Affine(3) trained by a native contrib.amp trainer (amp.init_trainer, amp.scale_loss, trainer.step)
     with ``op`` (or its gluon.loss twin) in this process, where polyamp's MP exists; the weights after each
@@ -377,7 +387,7 @@ def native_loss_output_run(op, twin, steps=3):
     for p in net.collect_params().values():
         p.set_data(mx.nd.array(rng.uniform(0.5, 1.5, p.shape).astype(np.float32)))
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.5}, update_on_kvstore=False)
-    amp.init_trainer(trainer)
+    init_first_trainer(trainer)
     x = mx.nd.array(rng.standard_normal((16, 3)).astype(np.float32))
     label = mx.nd.array(rng.integers(0, 3, 16) if op == "SoftmaxOutput" else rng.standard_normal((16, 3)))
     weights = []
@@ -432,7 +442,7 @@ def test_native_and_polyamp_trainers_taking_turns_on_loss_output_ops_are_refused
     native_net.initialize()
     polyamp_net.initialize()
     native = gluon.Trainer(native_net.collect_params(), "sgd", update_on_kvstore=False)
-    amp.init_trainer(native)
+    init_first_trainer(native)
     mine = pa.MixedPrecision("bf16-mixed", framework="mxnet", loss_scale=4.0)  # the ops follow it
     ours = mine.trainer(gluon.Trainer(polyamp_net.collect_params(), "sgd"))
     for attempt in range(2):

@@ -29,7 +29,7 @@ its weight's name; the keep list's ``first`` / ``last`` are the first and last q
 matmul or convolution, in trace order, other entries ``fnmatch`` patterns over the names, and
 :func:`record` writes the ``RecipeLayers`` that ``mp.recipe_layers`` shows.
 
-Quantization is JAX ops, bit-identical to the numpy core (``tests/test_jax_recipes.py``): per-tensor
+Quantization is JAX ops, bit-identical to the numpy core (``tests/test_recipes_frameworks.py``): per-tensor
 scales are TE's float32 quotient ``Fmax / amax`` (``recipes.current_scale``; the quotient of two
 float32 is rounded once, as the core's float64-then-float32 is), the casts ``jnp.float8_e4m3fn`` /
 ``float8_e5m2`` after clamping to the format's range; blocks are ``polyamp.jax.quantize_blocks``'s. One

@@ -27,7 +27,7 @@ every matmul layer, quantized or kept with its reason (``keep 'first'``, ``unsup
 ``mp.recipe_layers``.
 
 Quantization is integer TF ops (``quantize.py``), bit-identical to the numpy core in eager mode, in
-``tf.function`` and under XLA (``tests/test_tensorflow_recipes.py``):
+``tf.function`` and under XLA (``tests/test_recipes_frameworks.py``):
 - tensorwise: ``scale = current_scale(amax)`` (TE's rule: ``Fmax 2^-margin / amax`` rounded once to
   float32, by long division), ``fp32(x * scale)`` rounded to the format with saturation, divided by
   ``scale`` (one rounding to float32): the core's ``recipes.quantize_tensorwise``;

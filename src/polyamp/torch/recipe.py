@@ -29,7 +29,7 @@ list (by default the first and last matmul module, ``LayerStack``) compute as bf
 calls are dispatched with the mode off); ``matmul_modules`` records it, transposed convolutions,
 recurrent layers and ``nn.Bilinear`` as unsupported in ``mp.recipe_layers``.
 
-Quantization, bit-identical to the numpy core (``tests/test_torch_recipes.py``):
+Quantization, bit-identical to the numpy core (``tests/test_recipes_frameworks.py``):
 - tensorwise: ``scale = current_scale(amax)`` (TE's rule), ``fp32(x * scale)`` cast to e4m3fn / e5m2
   with saturation (torch's float8 dtypes round to nearest, ties to even), divided by ``scale``: the
   core's ``recipes.quantize_tensorwise``;
