@@ -71,20 +71,46 @@ def _tensor(x, name: str) -> torch.Tensor:
 
 
 def round_float64(v: torch.Tensor, fmt, mode: int, saturate: bool, seed: int) -> torch.Tensor:
-    """``exact_float.round_float64`` of float64 ``v``. Eager on CPU, a large tensor goes in chunks of
-    ``_CHUNK`` elements, so that the temporaries stay small and warm (one pass over 16M float64 elements
-    otherwise spends most of its time faulting in fresh pages); compiled or on an accelerator it is one
-    expression."""
+    """``exact_float.round_float64`` of float64 ``v``. Eager on CPU, in chunks of ``_CHUNK`` elements, so
+    that the temporaries stay small and warm (one pass over 16M float64 elements otherwise spends most of
+    its time faulting in fresh pages), nearest and toward zero in place (``_round_in_place``); compiled or
+    on an accelerator, the shared expression."""
     ops = sys.modules[__name__]
-    n = v.numel()
-    if n <= _CHUNK or v.device.type != "cpu" or torch.compiler.is_compiling():
+    if v.device.type != "cpu" or torch.compiler.is_compiling():
         return exact_float.round_float64(ops, v, fmt, mode, saturate, seed)
     flat = v.reshape(-1)
     out = torch.empty_like(flat)
-    for i in range(0, n, _CHUNK):
+    for i in range(0, v.numel(), _CHUNK):
         chunk = flat[i : i + _CHUNK]
-        out[i : i + _CHUNK] = exact_float.round_float64(ops, chunk, fmt, mode, saturate, seed, i)
+        if mode == exact_float.STOCHASTIC:
+            out[i : i + _CHUNK] = exact_float.round_float64(ops, chunk, fmt, mode, saturate, seed, i)
+        else:
+            out[i : i + _CHUNK] = _round_in_place(chunk, fmt, mode, saturate)
     return out.view(v.shape)
+
+
+def _round_in_place(v: torch.Tensor, fmt, mode: int, saturate: bool) -> torch.Tensor:
+    """``exact_float.round_float64`` to nearest or toward zero on an eager CPU chunk, in place on
+    its temporaries: the same steps, measured 2x faster than the out-of-place ops on 4096 x 4096
+    (``benchmarks/quantize_torch.py``)."""
+    overflow, maxval = exact_float.overflow_value(fmt, saturate), float(fmt.max)
+    a = v.abs()
+    t, q = spacing(a, fmt.emin, fmt.emax + 1, fmt.mbits)
+    if mode == exact_float.NEAREST:
+        r = t.round_().mul_(q)  # half to even
+        r.masked_fill_(r > maxval, overflow)
+    else:
+        r = t.floor_().mul_(q).clamp_(max=maxval)
+    if overflow != fmt.max:
+        r.masked_fill_(a == torch.inf, overflow)
+    r.masked_fill_(torch.isnan(a), torch.nan).copysign_(v)
+    if not fmt.has_negative_zero:
+        r.add_(0.0)  # -0 + 0 is +0
+    if not fmt.signed:
+        r.masked_fill_(v < 0, torch.nan)
+    if not fmt.subnormals:
+        r = torch.where(a == 0, torch.nan, torch.where((a > 0) & (r == 0), fmt.min_normal, r))
+    return r
 
 
 def round_saturated(v, fmt, mode: int, seed: int, narrow: bool):
