@@ -23,7 +23,24 @@ from polyamp.numerics import hadamard_tiles
 F32 = np.float32
 
 
-class Torch:
+class _Counted:
+    """The operand hooks of a front end whose ``Quantizer`` is called per operand and counts its calls
+    (torch, MXNet); ``self.recipe`` is its recipe module."""
+
+    def quantizer(self, r):
+        return self.recipe.Quantizer(r)
+
+    def operand(self, q, x, operand, axis):
+        return q(self.t(x), "layer", operand, axis=axis)
+
+    def calls(self, q):
+        return q.calls
+
+    def state_dict(self, q):
+        return q.state_dict()
+
+
+class Torch(_Counted):
     name = "torch"
     has_bias = True
     stateful_gemms = True
@@ -37,7 +54,7 @@ class Torch:
         self.torch = self.ops.torch
         from polyamp.torch import recipe
 
-        self.tr = recipe
+        self.tr = self.recipe = recipe
 
     def t(self, a):
         return self.ops.tensor(np.asarray(a, F32))
@@ -52,18 +69,6 @@ class Torch:
         t = self.t(x)
         s = self.tr.current_scale(t.abs().amax(), fmt) if scale is None else self.t(scale)
         return self.tr._tensorwise(t, fmt, s, rounding, seed)
-
-    def quantizer(self, r):
-        return self.tr.Quantizer(r)
-
-    def operand(self, q, x, operand, axis):
-        return q(self.t(x), "layer", operand, axis=axis)
-
-    def calls(self, q):
-        return q.calls
-
-    def state_dict(self, q):
-        return q.state_dict()
 
     def linear(self, r, x, w, b, g):
         """(y, dx, dw [K, N], db, calls) of ``_QuantizedLinear`` (weight [N, K]), products in float32."""
@@ -274,7 +279,7 @@ class Jax:
         return []
 
 
-class MXNet:
+class MXNet(_Counted):
     name = "mxnet"
     has_bias = True
     stateful_gemms = True
@@ -289,6 +294,7 @@ class MXNet:
         from polyamp.mxnet import quantize, recipe
 
         self.mq, self.mr = quantize, recipe
+        self.recipe = recipe
 
     def t(self, a):
         return self.ops.tensor(np.asarray(a, F32))
@@ -302,18 +308,6 @@ class MXNet:
         t = self.t(x)
         s = self.mq.current_scale(self.mq.amax(t), fmt).as_nd_ndarray() if scale is None else scale
         return self.mq.quantize_tensorwise(t, fmt, s, rounding, seed)
-
-    def quantizer(self, r):
-        return self.mr.Quantizer(r)
-
-    def operand(self, q, x, operand, axis):
-        return q(self.t(x), "layer", operand, axis=axis)
-
-    def calls(self, q):
-        return q.calls
-
-    def state_dict(self, q):
-        return q.state_dict()
 
     def linear(self, r, x, w, b, g):
         """(y, dx, dw [K, N], db, calls) of ``QuantizedDense`` (weight [N, K], x as Dense hands it: 2-D)."""

@@ -10,6 +10,8 @@ import warnings
 import numpy as np
 import pytest
 from frameworks import require
+from test_recipes_frameworks import core_operand as core
+from test_recipes_frameworks import wide
 
 tf = require("tensorflow")
 import keras  # noqa: E402
@@ -27,25 +29,6 @@ def same(got, want) -> bool:
     a, b = np.asarray(got, np.float32), np.asarray(want, np.float32)
     nan = np.isnan(a)
     return a.shape == b.shape and np.array_equal(nan, np.isnan(b)) and a[~nan].tobytes() == b[~nan].tobytes()
-
-
-def wide(shape, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape) * np.exp2(rng.integers(-12, 12, (shape[0],) + (1,) * (len(shape) - 1)))
-    return x.astype(np.float32)
-
-
-def core(x, r, operand, axis, seed=None, scale=None):
-    """The numpy core's quantization of ``x`` as the recipe's ``operand``."""
-    fmt = r.backward_format if operand == "grad" else r.forward_format
-    rounding = r.grad_rounding if operand == "grad" else r.forward_rounding
-    if r.kind != "block":
-        if scale is None:
-            scale = recipes.current_scale(float(np.abs(x).max()), fmt, r.margin, r.amax_epsilon)
-        return recipes.quantize_tensorwise(x, fmt, scale, rounding, seed)
-    if r.weight_2d and operand == "weight":
-        return pa.quantize_blocks(x, fmt, axis=(-2, -1), block=(16, 16))
-    return pa.quantize_blocks(x, fmt, axis=axis, scale_rule=r.scale_rule, rounding=rounding, seed=seed)
 
 
 def test_an_eager_delayed_update_runs_in_one_graph(monkeypatch):
