@@ -16,7 +16,11 @@ spelling                                           policy (param, compute, outpu
 ``half``
 ``64-true`` ``64`` ``float64`` ``f64``             float64 everywhere
 ``p=f32,c=bf16,o=f32`` (jmp grammar)               as written, see below
+``bf16-true:sr`` ``bf16-mixed:states=int8``        a policy with training-state options
 =================================================  ===========================================
+
+After a colon, training-state options (``polyamp.training_state``): how 16-bit weights take their
+update (``sr``, ``kahan``, ``nearest``) and the optimizer moments' form (``states=fp32|bf16|fp8|int8``).
 
 A bare dtype means that dtype everywhere (Keras, jmp), so ``float16`` is *true* fp16, while the
 Lightning and Accelerate shorthands ``16``, ``fp16`` and ``bf16`` mean *mixed*, as they do there.
@@ -39,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import PolyampError, invalid, suggestion
+from .training_state import StateOptions
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -97,24 +102,34 @@ def _dtype(value: object) -> str:
 
 @dataclass(frozen=True)
 class Policy:
-    """The dtypes of parameters, of computation and of outputs; aliases are canonicalised."""
+    """The dtypes of parameters, of computation and of outputs (aliases are canonicalised), and the
+    training-state options (None: the framework's optimizer as it is)."""
 
     param_dtype: str
     compute_dtype: str
     output_dtype: str
+    state: StateOptions | None = None
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, _dtype(getattr(self, field)))
+        if self.state is not None:
+            self.state.check(self.param_dtype, self.name)
 
     @property
-    def name(self) -> str:
-        """``float32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``, ``fp16-true``, else jmp's."""
+    def base_name(self) -> str:
+        """The name without training-state options."""
         dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
         if dtypes in _NAMES:
             return _NAMES[dtypes]
         p, c, o = (_SHORT[d] for d in dtypes)
         return f"p={p},c={c},o={o}"
+
+    @property
+    def name(self) -> str:
+        """``float32``, ``bf16-mixed``, ``fp16-mixed``, ``bf16-true``, ``fp16-true``, else jmp's; then
+        ``:options`` when it has training-state options."""
+        return self.base_name + (f":{self.state.spelling}" if self.state is not None else "")
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -139,6 +154,11 @@ class Policy:
         if not isinstance(spec, str):
             raise invalid("precision policy", spec, (*POLICY_NAMES, _GRAMMAR))
         key = spec.strip().lower()
+        if ":" in key:
+            base, _, options = key.partition(":")
+            policy = cls.parse(base)
+            state = StateOptions.parse(options, spec.strip())
+            return cls(policy.param_dtype, policy.compute_dtype, policy.output_dtype, state)
         if key in _SPELLINGS:
             return cls(*_SPELLINGS[key])
         if "=" in key:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ from ..scaling import COUNTERS, LossScaleState, NoLossScale
 from . import autocast as _autocast
 from . import recipe_state as _recipe_state
 from .autocast import DEFAULT_RULES, AutocastRules, check_arguments
+from .low_optim import low_precision
 from .nnx import update_if_finite
 from .recipe_state import RecipeState, keeps_state
 from .tree import all_finite, cast_tree, eval_shape, is_array, select_tree, split_static, step_if_finite
@@ -113,6 +115,17 @@ class MixedPrecision(_Base):
     def _setup(self) -> None:
         super()._setup()
         self._recipe_host = None  # the recipe's state on the host (recipe_state.to_host), from sync / load
+
+    def optimizer(self, tx: Any, seed: int = 0) -> Any:
+        """The optax transformation ``tx`` as the policy's training-state options want it:
+        ``polyamp.jax.low_precision(tx, ...)`` for ``bf16-true:sr`` / ``:kahan`` / ``states=...``, else
+        ``tx``."""
+        options = self.policy.state
+        if options is None:
+            return tx
+        from .low_optim import low_precision
+
+        return low_precision(tx, options.update, options.states, seed)
 
     def init(self, fn=None, *args, **kwargs) -> LossScaleState:
         """``mp.state`` with 0-d arrays as fields (float32 scale, int32 counters): the pytree to
@@ -325,4 +338,5 @@ def _probe(dtype: str, backend: str) -> None:
 
 
 __all__ = ["DEFAULT_RULES", "AutocastRules", "MixedPrecision", "RecipeState", "RecipeStepState", "all_finite",
+           "low_precision",
            "cast_tree", "select_tree", "step_if_finite", "update_if_finite"]  # fmt: skip

@@ -96,3 +96,50 @@ def butterfly(t, axis: int, h: int):
 def merge_tiles(t, axis: int):
     """``t`` with ``axis`` and ``axis + 1`` merged into one."""
     return t.reshape(*t.shape[:axis], t.shape[axis] * t.shape[axis + 1], *t.shape[axis + 2 :])
+
+
+# -- optimizer state codes (``numerics.state_codes``) -------------------------------------------------
+def const(value: float, like):
+    return value
+
+
+def size(v) -> int:
+    return int(v.size)
+
+
+def abs(v):  # noqa: A001 - the ops vocabulary
+    return jax.numpy.abs(v)
+
+
+def reshape(v, shape):
+    return v.reshape(shape)
+
+
+def pad_end(v, widths):
+    return jax.numpy.pad(v, [(0, w) for w in widths])
+
+
+def amax(v, axes):
+    return v.max(axis=axes) if v.size else v.sum(axis=axes)
+
+
+def where(cond, a, b):
+    return jax.numpy.where(cond, a, b)
+
+
+def clip(v, lo, hi):
+    return jax.numpy.clip(v, lo, hi)
+
+
+def cast(v, dtype: str):
+    return v.astype(dtype)
+
+
+def searchsorted(table, v):
+    """The index of the first entry of the sorted numpy ``table`` >= each value of ``v``."""
+    return jax.numpy.searchsorted(jax.numpy.asarray(table), v, side="left")
+
+
+def take(table, codes):
+    """``table[codes]``: the numpy ``table``'s entries at integer ``codes``."""
+    return jax.numpy.asarray(table)[codes.astype("int32")]

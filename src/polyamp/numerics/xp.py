@@ -168,3 +168,19 @@ def shr(z, s: int):
 def unit53(z):
     """The top 53 bits of 64-bit words as a float64 in [0, 1)."""
     return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+# -- optimizer state codes (``numerics.state_codes``) -------------------------------------------------
+def cast(v, dtype: str):
+    import ml_dtypes
+
+    return np.asarray(v).astype(getattr(ml_dtypes, dtype, None) or np.dtype(dtype))
+
+
+def searchsorted(table, v):
+    """The index of the first entry of the sorted ``table`` >= each value of ``v``."""
+    return np.searchsorted(table, v, side="left")
+
+
+def take(table, codes):
+    return table[codes.astype(np.intp)]

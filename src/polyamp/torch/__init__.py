@@ -17,6 +17,7 @@ from typing import Any
 from ..eager import EagerMixedPrecision
 from ..errors import PolyampError
 from ..recipes import recipe_spec
+from .low_optim import LowPrecisionOptimizer
 from .ops import TorchOps, default_device
 
 
@@ -110,6 +111,28 @@ class MixedPrecision(EagerMixedPrecision):
         for k, make in self._TRANSIENT.items():
             self.__dict__.setdefault(k, make())
 
+    def optimizer(self, optimizer: Any, seed: int = 0) -> Any:
+        """``optimizer`` as the policy's training-state options want it: a ``LowPrecisionOptimizer``
+        (``low_optim.py``) for ``bf16-true:sr`` / ``:kahan`` / ``states=...``, else ``optimizer`` itself."""
+        options = self.policy.state
+        if options is None:
+            return optimizer
+        from .low_optim import LowPrecisionOptimizer
+
+        return LowPrecisionOptimizer(optimizer, options.update, options.states, seed)
+
+    def step(self, optimizer: Any, batch_size: int | None = None, clip_grad_norm: float | None = None):
+        if self.policy.state is not None:
+            from .low_optim import LowPrecisionOptimizer
+
+            plain = [o for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+                     if not isinstance(o, LowPrecisionOptimizer)]  # fmt: skip
+            if plain:
+                raise PolyampError(f"policy {self.policy.name!r} updates weights and moments through "
+                                   f"polyamp: wrap the optimizer once, optimizer = mp.optimizer(optimizer), "
+                                   f"and step that (got a plain {type(plain[0]).__name__})")  # fmt: skip
+        return super().step(optimizer, batch_size, clip_grad_norm)
+
     def unscale_(self, optimizer: Any) -> bool:
         """Unscale ``optimizer``'s gradients now, so that code can read or change them before
         ``mp.step`` (which then does not unscale them again); returns whether they are finite.
@@ -130,4 +153,4 @@ def given_or_made(policy: Any, kwargs: dict) -> MixedPrecision:
     return MixedPrecision(policy, framework="torch", **kwargs)
 
 
-__all__ = ["MixedPrecision", "TorchOps", "given_or_made"]
+__all__ = ["LowPrecisionOptimizer", "MixedPrecision", "TorchOps", "given_or_made"]

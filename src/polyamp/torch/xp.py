@@ -276,6 +276,21 @@ def unit53(z):
     return shr(z, 11).to(torch.float64) * 2.0**-53
 
 
+# -- optimizer state codes (``numerics.state_codes``) -------------------------------------------------
+def cast(v, dtype: str):
+    return v.to(getattr(torch, dtype))
+
+
+def searchsorted(table, v):
+    """The index of the first entry of the sorted numpy ``table`` >= each value of ``v``."""
+    return torch.searchsorted(torch.from_numpy(table).to(v.device), v.contiguous())
+
+
+def take(table, codes):
+    """``table[codes]``: the numpy ``table``'s entries at integer ``codes``."""
+    return torch.from_numpy(table).to(codes.device)[codes.long()]
+
+
 # -- binning (the doctor) ------------------------------------------------------------------------------
 # the measured block formats (``doctor.blocks.measure_on``)
 def measured(t):

@@ -1,0 +1,106 @@
+"""Optimizer state stored low: bfloat16, fp8 (e4m3fn, a scale per block) and 8-bit block-wise codes.
+
+Each form stores a float32 moment ``m`` (any shape) as a dict of arrays and returns it as float32:
+
+``bf16``   ``m`` rounded to bfloat16 (nearest-even), 2 bytes per value.
+``fp8``    ``m`` in blocks of ``BLOCK`` values of the flattened tensor; per block ``s = amax / 448``
+           (float32) and the values ``m / s`` rounded to e4m3fn (nearest-even), 1 byte per value plus
+           4 bytes per block. A block of zeros has ``s = 1``. (torchao's ``OptimStateFp8``.)
+``int8``   the block-wise dynamic quantization of bitsandbytes' 8-bit optimizers (Dettmers et al.,
+           "8-bit Optimizers via Block-wise Quantization", 2022): per block its ``amax``; each value
+           ``m / amax`` becomes the index of the nearest entry of a 256-entry table (``dynamic_map``;
+           ties to the lower entry), 1 byte per value plus 4 bytes per block. Moments that are never
+           negative (second moments) take the unsigned table, as torchao's ``AdamW8bit`` does.
+
+The algorithm is written once over a front end's ops (``ops.reshape``, ``pad_end``, ``amax``, ``abs``,
+``where``, ``clip``, ``searchsorted``, ``take``, ``cast``); numpy's are ``numerics.xp``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..errors import invalid
+
+BLOCK = 256
+"""Values per block of the fp8 and int8 forms (bitsandbytes >= 0.44 and torchao use 256)."""
+
+FORMS = ("fp32", "bf16", "fp8", "int8")
+_FP8_MAX = 448.0
+
+
+@functools.lru_cache(maxsize=2)
+def dynamic_map(signed: bool = True) -> np.ndarray:
+    """The 256 sorted float32 values of bitsandbytes' dynamic data type (``create_dynamic_map`` with 7
+    exponent bits, 8 bits in all): for ``i = 0 .. 6`` the midpoints of ``2^i + 1`` (signed) or
+    ``2^(i+1) + 1`` (unsigned) points evenly spaced in [0.1, 1], times ``10^(i - 6)``, their negatives
+    when signed, and 0 and 1."""
+    values = [0.0, 1.0]
+    for i in range(7):
+        edges = np.linspace(0.1, 1.0, (2**i if signed else 2 ** (i + 1)) + 1)
+        mids = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)
+        values += list(mids) + (list(-mids) if signed else [])
+    table = np.sort(np.asarray(values, dtype=np.float32))
+    assert table.size == 256
+    return table
+
+
+def check_form(form: object) -> str:
+    """``form`` if it is one of ``FORMS`` (case-insensitive), else a PolyampError."""
+    key = form.strip().lower() if isinstance(form, str) else None
+    if key not in FORMS:
+        raise invalid("optimizer-state form", form, FORMS)
+    return key
+
+
+def nbytes(form: str, size: int) -> int:
+    """Bytes a moment of ``size`` values takes in ``form``."""
+    blocks = -(-size // BLOCK)
+    return {"fp32": 4 * size, "bf16": 2 * size, "fp8": size + 4 * blocks, "int8": size + 4 * blocks}[form]
+
+
+def _blocks(ops, m32):
+    """``m32`` flattened, zero padded to whole blocks, shape ``(blocks, BLOCK)``."""
+    n = ops.size(m32)
+    flat = ops.reshape(m32, (n,))
+    pad = -n % BLOCK
+    flat = ops.pad_end(flat, (pad,)) if pad else flat
+    return ops.reshape(flat, (max(1, (n + pad) // BLOCK), BLOCK)) if n else ops.reshape(flat, (0, BLOCK))
+
+
+def encode(ops, m32, form: str, signed: bool = True) -> dict:
+    """float32 ``m32`` stored in ``form`` (see the module docstring): a dict of arrays."""
+    if form == "fp32":
+        return {"values": m32}
+    if form == "bf16":
+        return {"values": ops.cast(m32, "bfloat16")}
+    b = _blocks(ops, m32)
+    amax = ops.amax(ops.abs(b), (1,))
+    amax = ops.reshape(amax, (-1, 1))
+    if form == "fp8":
+        scale = ops.where(amax > 0, amax / _FP8_MAX, ops.const(1.0, amax))
+        codes = ops.clip(b / scale, -_FP8_MAX, _FP8_MAX)  # amax / (amax / 448) may round past 448
+        return {"codes": _flat(ops, ops.cast(codes, "float8_e4m3fn"), ops.size(m32)), "scale": scale}
+    safe = ops.where(amax > 0, amax, ops.const(1.0, amax))
+    table = dynamic_map(signed)
+    mids = (table[:-1] + table[1:]) / np.float32(2)
+    codes = ops.cast(ops.searchsorted(mids, b / safe), "uint8")
+    return {"codes": _flat(ops, codes, ops.size(m32)), "scale": amax}
+
+
+def _flat(ops, codes, n: int):
+    """The codes of the ``n`` values, without the last block's padding."""
+    return ops.reshape(codes, (-1,))[:n]
+
+
+def decode(ops, stored: dict, form: str, shape: tuple[int, ...], signed: bool = True):
+    """The float32 moment of shape ``shape`` that ``encode`` stored."""
+    if form in ("fp32", "bf16"):
+        return ops.cast(stored["values"], "float32")
+    codes = stored["codes"]
+    v = ops.cast(codes, "float32") if form == "fp8" else ops.take(dynamic_map(signed), codes)
+    n = ops.size(codes)
+    b = _blocks(ops, v) * stored["scale"]
+    return ops.reshape(ops.reshape(b, (-1,))[:n], shape)
