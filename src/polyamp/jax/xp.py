@@ -135,11 +135,11 @@ def cast(v, dtype: str):
     return v.astype(dtype)
 
 
-def searchsorted(table, v):
-    """The index of the first entry of the sorted numpy ``table`` >= each value of ``v``."""
-    return jax.numpy.searchsorted(jax.numpy.asarray(table), v, side="left")
-
-
 def take(table, codes):
     """``table[codes]``: the numpy ``table``'s entries at integer ``codes``."""
     return jax.numpy.asarray(table)[codes.astype("int32")]
+
+
+def high16(v):
+    """The top 16 bits of float32 ``v`` (sign, exponent, 7 fraction bits) as integers."""
+    return jax.lax.bitcast_convert_type(v.astype("float32"), "uint32") >> 16

@@ -177,10 +177,10 @@ def cast(v, dtype: str):
     return np.asarray(v).astype(getattr(ml_dtypes, dtype, None) or np.dtype(dtype))
 
 
-def searchsorted(table, v):
-    """The index of the first entry of the sorted ``table`` >= each value of ``v``."""
-    return np.searchsorted(table, v, side="left")
-
-
 def take(table, codes):
     return table[codes.astype(np.intp)]
+
+
+def high16(v):
+    """The top 16 bits of float32 ``v`` (sign, exponent, 7 fraction bits) as integers."""
+    return np.asarray(v, np.float32).view(np.uint32) >> 16

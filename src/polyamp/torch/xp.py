@@ -281,14 +281,14 @@ def cast(v, dtype: str):
     return v.to(getattr(torch, dtype))
 
 
-def searchsorted(table, v):
-    """The index of the first entry of the sorted numpy ``table`` >= each value of ``v``."""
-    return torch.searchsorted(torch.from_numpy(table).to(v.device), v.contiguous())
-
-
 def take(table, codes):
     """``table[codes]``: the numpy ``table``'s entries at integer ``codes``."""
     return torch.from_numpy(table).to(codes.device)[codes.long()]
+
+
+def high16(v):
+    """The top 16 bits of float32 ``v`` (sign, exponent, 7 fraction bits) as integers."""
+    return (v.float().contiguous().view(torch.int32) >> 16) & 0xFFFF
 
 
 # -- binning (the doctor) ------------------------------------------------------------------------------
