@@ -18,7 +18,6 @@ import statistics
 import sys
 
 import numpy as np
-
 from _timing import run_paired
 
 POLICIES = ("float32", "bf16-mixed", "bf16-true", "bf16-true:sr", "bf16-true:kahan",
@@ -29,7 +28,8 @@ def data(dims, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((256, dims[0])).astype(np.float32)
     teacher = rng.standard_normal((dims[0], dims[-1])).astype(np.float32) / np.sqrt(dims[0])
-    weights = [(rng.standard_normal((a, b)) * np.sqrt(2 / a)).astype(np.float32) for a, b in zip(dims, dims[1:])]
+    weights = [(rng.standard_normal((a, b)) * np.sqrt(2 / a)).astype(np.float32)
+               for a, b in zip(dims, dims[1:])]  # fmt: skip
     return x, x @ teacher, weights
 
 
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     for p, c in cases.items():
         median, rounds = timed[p]
         ratio = statistics.median(a / b for a, b in zip(rounds, base_rounds))
-        print(f"{p:28s} {c.bytes() / 2**20:9.1f} {c.bytes() / base_bytes:8.3f} {median * 1e3:8.1f} {ratio:14.2f}")
+        mb, share = c.bytes() / 2**20, c.bytes() / base_bytes
+        print(f"{p:28s} {mb:9.1f} {share:8.3f} {median * 1e3:8.1f} {ratio:14.2f}")
     loss_dims = tuple(int(d) for d in args.loss_dims.split(","))
     print(f"\n# loss after {args.steps} steps, MLP {loss_dims}, lr {args.lr}, seeds 0..{args.seeds - 1}")
     for p in POLICIES:
