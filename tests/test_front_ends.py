@@ -16,7 +16,7 @@ from polyamp import PolyampError
 from polyamp.frameworks import FRAMEWORKS, IDIOMS
 
 SRC = Path(pa.__file__).parent
-SHARED_METHODS = ("backward", "step", "watch", "autocast")
+SHARED_METHODS = ("backward", "step", "watch", "autocast", "optimizer")
 IN_THIS_VENV = [f for f in FRAMEWORKS if f != "mxnet"]
 
 

@@ -27,11 +27,11 @@ _MODULE_ROOTS = {"torch": "torch", "tensorflow": "tensorflow", "keras": "tensorf
 ALIASES = {"pytorch": "torch", "tf": "tensorflow", "tf.keras": "tensorflow", "flax": "jax", "mx": "mxnet",
            "gluon": "mxnet"}  # fmt: skip
 
-# the methods that only one framework's MixedPrecision has; ``backward``, ``step``, ``watch`` and
-# ``autocast`` are shared (tests/test_front_ends.py checks this table against the classes)
+# the methods that only one framework's MixedPrecision has; ``backward``, ``step``, ``watch``, ``autocast``
+# and ``optimizer`` (Keras's wrapped optimizer; torch's and optax's under a training-state policy) are shared (tests/test_front_ends.py checks this table against the classes)
 IDIOMS = {
     "unscale_": "torch",
-    "scope": "tensorflow", "optimizer": "tensorflow", "scale": "tensorflow", "apply": "tensorflow",
+    "scope": "tensorflow", "scale": "tensorflow", "apply": "tensorflow",
     "callback": "tensorflow",
     "init": "jax", "update": "jax", "grad": "jax", "value_and_grad": "jax", "sync": "jax",
     "trainer": "mxnet", "scale_loss": "mxnet",
@@ -40,7 +40,7 @@ IDIOMS = {
 
 # the Keras idioms: the tensorflow front end's on Keras's TensorFlow backend; on its JAX and torch backends
 # polyamp.keras's, the one front end that is not a framework of its own
-KERAS_IDIOMS = ("scope", "optimizer", "callback")
+KERAS_IDIOMS = ("scope", "callback")
 
 
 def keras_backend() -> str:

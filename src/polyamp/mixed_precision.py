@@ -328,6 +328,10 @@ class MixedPrecision:
         return f"MixedPrecision({name!r}, framework={self.framework!r}, scale={scale}{keep})"
 
 
+SHARED_METHODS = ("backward", "step", "watch", "autocast", "optimizer")
+"""The methods every front end has (MXNet: all but ``optimizer``); the rest are one framework's idioms."""
+
+
 class _Unbound(MixedPrecision):
     """A ``MixedPrecision`` made while several frameworks (or none) were imported: at the first
     call that tells the framework it becomes that framework's object (its class is swapped; the
@@ -337,7 +341,7 @@ class _Unbound(MixedPrecision):
         if name.startswith("_"):
             raise AttributeError(name)
         owner = idiom_owner(name)
-        if owner is None and name not in ("backward", "step", "watch", "autocast"):
+        if owner is None and name not in SHARED_METHODS:
             raise AttributeError(f"'MixedPrecision' object has no attribute {name!r}")
 
         def call(*args, **kwargs):  # binds when called, not when looked up (hasattr binds nothing)
