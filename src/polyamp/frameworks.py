@@ -28,7 +28,8 @@ ALIASES = {"pytorch": "torch", "tf": "tensorflow", "tf.keras": "tensorflow", "fl
            "gluon": "mxnet"}  # fmt: skip
 
 # the methods that only one framework's MixedPrecision has; ``backward``, ``step``, ``watch``, ``autocast``
-# and ``optimizer`` (Keras's wrapped optimizer; torch's and optax's under a training-state policy) are shared (tests/test_front_ends.py checks this table against the classes)
+# and ``optimizer`` (Keras's wrapped optimizer; torch's and optax's under a training-state policy) are
+# shared (tests/test_front_ends.py checks this table against the classes)
 IDIOMS = {
     "unscale_": "torch",
     "scope": "tensorflow", "scale": "tensorflow", "apply": "tensorflow",
