@@ -210,6 +210,39 @@ def test_torch_low_states_train_and_take_their_bytes(states):
     assert set(kinds) == {"exp_avg", "exp_avg_sq"}
 
 
+def test_torch_compiled_cpu_paths_equal_the_ops_route():
+    """The numba kernels LowPrecisionOptimizer takes on the CPU give the ops route's values (NaN: NaN)."""
+    from polyamp.torch import low_optim
+    from polyamp.torch import xp as torch_xp
+
+    rng = np.random.default_rng(3)
+    y = np.concatenate([rng.standard_normal(70001) * 10.0 ** rng.uniform(-45, 38, 70001),
+                        [0, -0.0, np.inf, -np.inf, np.nan, 3.4e38, -3.39e38, 1e-40, 3.39e38]])  # fmt: skip
+    y = torch.tensor(y.astype(np.float32))
+
+    def same(a, b):
+        return bool(((a.float() == b.float()) | (a.float().isnan() & b.float().isnan())).all())
+
+    assert state_codes.compiled() is not None  # POLYAMP_REQUIRE_NUMBA: the suite runs with numba
+    for seed in (0, 9, 2**31 + 1):
+        want = pa.quantize(y, "bf16", rounding="stochastic", seed=seed)
+        assert same(low_optim._stochastic(y, torch.bfloat16, seed), want)
+    w = nn.Parameter(torch.zeros(y.shape, dtype=torch.bfloat16))
+    with torch.no_grad():
+        comp = low_optim._kahan(w, y)
+    assert same(w.detach(), y.to(torch.bfloat16)) and same(comp, (y - w.detach().float()).to(torch.bfloat16))
+    assert same(low_optim._widen(w.detach()), w.detach().float())
+    assert same(low_optim._widen(w.detach(), comp), w.detach().float() + comp.float())
+    m = torch.tensor((rng.standard_normal(5000) * np.logspace(-9, 1, 5000)).astype(np.float32))
+    for signed in (True, False):
+        v = m if signed else m.abs()
+        ops = state_codes.encode(torch_xp, v, "int8", signed)
+        fast = low_optim._encode(v, "int8", signed)
+        assert torch.equal(ops["codes"], fast["codes"]) and torch.equal(ops["scale"], fast["scale"])
+        assert torch.equal(low_optim._decode(fast, "int8", v, signed),
+                           state_codes.decode(torch_xp, ops, "int8", tuple(v.shape), signed))  # fmt: skip
+
+
 CHECKPOINT = textwrap.dedent("""
     import sys, torch, polyamp as pa
     from polyamp.torch import LowPrecisionOptimizer

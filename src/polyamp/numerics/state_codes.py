@@ -19,6 +19,7 @@ The algorithm is written once over a front end's ops (``ops.reshape``, ``pad_end
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 
@@ -124,3 +125,33 @@ def decode(ops, stored: dict, form: str, shape: tuple[int, ...], signed: bool = 
     n = ops.size(codes)
     b = _blocks(ops, v) * stored["scale"]
     return ops.reshape(ops.reshape(b, (-1,))[:n], shape)
+
+
+@functools.lru_cache(maxsize=1)
+def compiled():
+    """The compiled kernels (``_state_kernel``: stochastic bfloat16 rounding, the 8-bit form) for CPU
+    arrays, or None when numba is absent or POLYAMP_NO_NUMBA is set."""
+    if os.environ.get("POLYAMP_NO_NUMBA"):
+        return None
+    try:
+        from . import _state_kernel
+    except ImportError:
+        return None
+    return _state_kernel
+
+
+def encode_int8_compiled(m32: np.ndarray, signed: bool) -> dict:
+    """``encode(xp, m32, "int8", signed)`` by the compiled kernel (a float32 numpy array; same arrays)."""
+    flat = np.ascontiguousarray(m32, np.float32).reshape(-1)
+    codes = np.empty(flat.size, np.uint8)
+    scale = np.empty((max(1, -(-flat.size // BLOCK)) if flat.size else 0, 1), np.float32)
+    base, mid = _nearest_lookup(signed)
+    compiled().encode_int8(flat, codes, scale.reshape(-1), base, mid, BLOCK)
+    return {"codes": codes, "scale": scale}
+
+
+def decode_int8_compiled(codes: np.ndarray, scale: np.ndarray, signed: bool) -> np.ndarray:
+    """``decode``'s flat float32 values of the 8-bit form by the compiled kernel."""
+    out = np.empty(codes.size, np.float32)
+    compiled().decode_int8(codes.reshape(-1), scale.reshape(-1), dynamic_map(signed), out, BLOCK)
+    return out

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import training_state as ts
 from ..errors import PolyampError
 from ..numerics import state_codes
 from ..numerics.rounding import quantize
+from ..numerics.stream import mix
 from . import xp
 
 _LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -108,16 +110,14 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
     def _proxy(self, p: torch.Tensor, i: int) -> torch.Tensor:
         """The float32 tensor the wrapped optimizer steps for ``p``, with its gradient and decoded state."""
-        w = p.detach().float() if p.dtype != torch.float32 else p.detach().clone()
-        if i in self._comp:
-            w += self._comp[i].float()
-        w.grad = p.grad.float() if p.grad.dtype != torch.float32 else p.grad
+        w = _widen(p.detach(), self._comp.get(i)) if p.dtype != torch.float32 else p.detach().clone()
+        w.grad = _widen(p.grad) if p.grad.dtype != torch.float32 else p.grad
         state = dict(self.optimizer.state.pop(p, {}))
         for name, stored in self._low.get(i, {}).items():
-            state[name] = state_codes.decode(xp, stored, self.states, tuple(p.shape), ts.signed_for(name))
+            state[name] = _decode(stored, self.states, p, ts.signed_for(name))
         for name, v in state.items():
             if _is_moment(v, p) and v.dtype != torch.float32:
-                state[name] = v.float()
+                state[name] = _widen(v)
         if state:
             self.optimizer.state[w] = state
         return w
@@ -127,13 +127,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         if p.dtype == torch.float32:
             p.copy_(y)
         elif self.update == "sr":
-            fmt = _LOW[p.dtype]
-            p.copy_(quantize(y, fmt, rounding="stochastic",
-                             seed=ts.step_seed(self.seed, self.steps, len(self._params), i)))  # fmt: skip
+            p.copy_(_stochastic(y, p.dtype, ts.step_seed(self.seed, self.steps, len(self._params), i)))
+        elif self.update == "kahan":
+            self._comp[i] = _kahan(p, y)
         else:
             p.copy_(y)  # round to nearest even
-            if self.update == "kahan":
-                self._comp[i] = (y - p.float()).to(p.dtype)
         state = self.optimizer.state.pop(y, {})
         plain, low = {}, {}
         for name, v in state.items():
@@ -142,7 +140,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
             elif self.states is None:
                 plain[name] = v.to(p.dtype)
             else:
-                low[name] = state_codes.encode(xp, v, self.states, ts.signed_for(name))
+                low[name] = _encode(v, self.states, ts.signed_for(name))
         self.optimizer.state[p] = plain
         if low:
             self._low[i] = low
@@ -181,6 +179,65 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
                      for t in s.values())  # fmt: skip
         comp = sum(c.numel() * c.element_size() for c in self._comp.values())
         return {"moments": total, "compensation": comp}
+
+
+# -- the compiled CPU paths (``numerics/_state_kernel.py``: the same bits as the ops route) ----------------
+def _compiled(t: torch.Tensor):
+    return state_codes.compiled() if t.device.type == "cpu" else None
+
+
+def _stochastic(y: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """float32 ``y`` rounded stochastically onto ``dtype``: ``quantize(y, fmt, "stochastic", seed)``."""
+    kernel = _compiled(y)
+    if kernel is None or dtype != torch.bfloat16:
+        return quantize(y, _LOW[dtype], rounding="stochastic", seed=seed)
+    y = y.contiguous()
+    out = torch.empty(y.shape, dtype=torch.bfloat16)
+    kernel.stochastic_bf16(_bits(y, np.uint32), _bits(out), np.uint64(mix(seed)))
+    return out
+
+
+def _bits(t: torch.Tensor, dtype=np.uint16) -> np.ndarray:
+    """The flat numpy view of a contiguous CPU tensor's bits."""
+    return t.view(torch.int16 if dtype == np.uint16 else torch.int32).numpy().view(dtype).reshape(-1)
+
+
+def _widen(t: torch.Tensor, comp: torch.Tensor | None = None) -> torch.Tensor:
+    """``t`` (+ ``comp``) in float32: exact for one 16-bit tensor, float32's sum for two."""
+    kernel = _compiled(t)
+    if kernel is None or t.dtype != torch.bfloat16 or not t.is_contiguous():
+        return t.float() if comp is None else t.float() + comp.float()
+    out = torch.empty(t.shape, dtype=torch.float32)
+    if comp is None:
+        kernel.widen_bf16(_bits(t), _bits(out, np.uint32))
+    else:
+        kernel.widen_add_bf16(_bits(t), _bits(comp.contiguous()), out.numpy().reshape(-1))
+    return out
+
+
+def _kahan(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``p = nearest(y)`` in place; returns the compensation ``nearest(y - p)`` in ``p``'s dtype."""
+    kernel = _compiled(p)
+    if kernel is None or p.dtype != torch.bfloat16 or not p.is_contiguous():
+        p.copy_(y)
+        return (y - p.float()).to(p.dtype)
+    comp = torch.empty_like(p)
+    kernel.kahan_bf16(y.contiguous().numpy().reshape(-1), _bits(p), _bits(comp))
+    return comp
+
+
+def _encode(v: torch.Tensor, form: str, signed: bool) -> dict:
+    if form != "int8" or _compiled(v) is None:
+        return state_codes.encode(xp, v, form, signed)
+    return {k: torch.from_numpy(a) for k, a in state_codes.encode_int8_compiled(v.numpy(), signed).items()}
+
+
+def _decode(stored: dict, form: str, p: torch.Tensor, signed: bool) -> torch.Tensor:
+    if form != "int8" or _compiled(stored["codes"]) is None:
+        return state_codes.decode(xp, stored, form, tuple(p.shape), signed)
+    codes = stored["codes"]
+    flat = state_codes.decode_int8_compiled(codes.numpy(), stored["scale"].numpy(), signed)
+    return torch.from_numpy(flat).reshape(p.shape)
 
 
 def _first_wide(params) -> torch.dtype:
