@@ -24,6 +24,10 @@ Rules (the thresholds are the named constants below, each with its reason):
    slower than float32 or not at all (``fp16_slow``: the facts its front end warns or refuses with) and
    bf16-mixed fits too, bf16-mixed is chosen, and the reason says why. (bf16 reaches lower than fp16 at
    any loss scale and overflows only where float32 does, so where fp16 fits, bf16 in practice fits too.)
+4. For memory, bf16 weights and low moments (``state_advice``): per layer the weight update (``nearest``,
+   ``sr``, ``kahan`` or float32 ``master`` weights) from its update ratios and the moments' form (``int8``
+   or ``bf16``) from its weight gradients; ``Recommendation.low_precision`` is the policy of the strictest
+   layer, e.g. ``bf16-true:sr,states=int8``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import PolyampError, invalid
 from ..numerics import FloatFormat, get_format
+from . import state_advice
 from .chain import gradient_predictions
 from .histogram import LogHistogram
 from .predict import lost_updates, predict
@@ -114,6 +119,11 @@ class PolicyCheck:
     master_weights: bool
     master_weights_reason: str
     findings: tuple[Finding, ...]
+    weight_update: str | None = None  # state_advice.update_rule of the strictest layer (None: no update seen)
+    weight_update_layers: dict[str, str] = field(default_factory=dict)
+    weight_update_reason: str = ""
+    states: str | None = None  # state_advice.states_form of the strictest layer (None: no gradient seen)
+    states_reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -134,11 +144,22 @@ class Recommendation:
     checks: dict[str, PolicyCheck] = field(default_factory=dict)
     fp16_slow: str | None = None  # why fp16-mixed was not chosen on this framework and device (rule 3)
 
+    @property
+    def low_precision(self) -> str | None:
+        """The policy that stores weights and moments low (``bf16-true:sr,states=int8``, rule 4), or None
+        when the weights need float32 masters or no update was observed."""
+        check = self.checks.get("bf16-mixed")
+        if check is None or check.weight_update in (None, "master"):
+            return None
+        options = [check.weight_update] if check.weight_update != "nearest" else []
+        options += [f"states={check.states}"] if check.states else []
+        return "bf16-true" + (":" + ",".join(options) if options else "")
+
     def line(self) -> str:
         return f"{self.policy}: {self.reason}"
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "low_precision": self.low_precision}
 
 
 def recommend(observations: Iterable[Observation], *, slow_fp16: str | None = None) -> Recommendation:
@@ -308,6 +329,7 @@ def _check(table, policy: str, fmt: FloatFormat, scaled: bool) -> PolicyCheck:
         for layer in many:
             line = f"updates lost in {fmt.name} weights: {_pct(lost[layer])}"
             findings.append(Finding(layer, "update_ratio", fmt.name, "lost_updates", lost[layer], line))
+    advice = _state_advice(table, ratios, fmt)
     feasible = len(keep) < len(layers) and len(keep) <= max(1, MAX_KEEP_FRACTION * len(layers))
     order = {"overflow": 0, "underflow": 1, "lost_updates": 2}
     findings.sort(key=lambda f: order[f.problem])  # stable: layer order within a problem
@@ -322,7 +344,35 @@ def _check(table, policy: str, fmt: FloatFormat, scaled: bool) -> PolicyCheck:
         master,
         master_reason,
         tuple(findings),
+        *advice,
     )
+
+
+def _state_advice(table, ratios: dict, fmt: FloatFormat) -> tuple:
+    """Rule 4 (``state_advice``): the weight update and moments' form for 16-bit weights in ``fmt``."""
+    rules = {layer: state_advice.update_rule(h, fmt.mbits, LOST_UPDATES_MAX) for layer, h in ratios.items()}
+    rule = state_advice.strictest(r for r, _ in rules.values()) if rules else None
+    rule_reason = ""
+    if rule is not None:
+        def severity(layer):
+            r, shares = rules[layer]
+            return state_advice.RULES.index(r), shares["lost"], shares["lost_sr"], shares["lost_kahan"]
+
+        worst = max(rules, key=severity)
+        rule_reason = (f"{rule}: the strictest layer {worst!r} loses {_pct(rules[worst][1]['lost'])} of its "
+                       f"updates in {fmt.name} (below half an ulp), {_pct(rules[worst][1]['lost_sr'])} are "
+                       f"below 2^-{state_advice.SR_BITS} of that, {_pct(rules[worst][1]['lost_kahan'])} "
+                       f"below what a {fmt.name} Kahan buffer keeps")  # fmt: skip
+    grads = {la: table[la]["grad_weight"] for la in table if "grad_weight" in table[la]}
+    forms = {la: state_advice.states_form(h, LOST_UPDATES_MAX) for la, h in grads.items() if h.total}
+    states, states_reason = None, ""
+    if forms:
+        worst = max(forms, key=lambda la: forms[la][1])
+        states = "bf16" if any(f == "bf16" for f, _ in forms.values()) else "int8"
+        states_reason = (f"{states}: in layer {worst!r} {_pct(forms[worst][1])} of the non-zero weight "
+                         f"gradients square below what the 8-bit moment form keeps "
+                         f"(|g| < {state_advice.INT8_FLOOR:g} x its max)")  # fmt: skip
+    return rule, {la: r for la, (r, _) in rules.items()}, rule_reason, states, states_reason
 
 
 def _flushed(predictions) -> float | None:

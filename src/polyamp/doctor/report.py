@@ -158,8 +158,18 @@ class Report:
         for check in r.checks.values():
             need = "needed" if check.master_weights else "not needed"
             why = check.master_weights_reason
-            lines.append(f"fp32 master weights for {check.format} weights: {need} — {why}")
+            plain = " (rounded to nearest; SR / Kahan below)" if check.weight_update not in (None, "master") \
+                and check.master_weights else ""  # fmt: skip
+            lines.append(f"fp32 master weights for {check.format} weights: {need}{plain} — {why}")
         lines.append(f"apply: {self.one_liner()}")
+        bf16 = r.checks.get("bf16-mixed")
+        if bf16 is not None and bf16.weight_update is not None:
+            low = r.low_precision
+            lines.append(f"bf16 weights: {bf16.weight_update_reason}")
+            if bf16.states:
+                lines.append(f"moments: {bf16.states_reason}")
+            lines.append(f"for memory: mp = polyamp.MixedPrecision({low!r}); opt = mp.optimizer(opt)"
+                         if low else "for memory: none (the weights need float32 masters)")
         return "\n".join(lines)
 
     def one_liner(self) -> str:
