@@ -398,3 +398,10 @@ def test_jax_bad_input_and_mp_optimizer():
     mp = pa.MixedPrecision("bf16-true:kahan,states=fp8", framework="jax")
     assert mp.optimizer(optax.sgd(0.1)) is not None
     assert pa.MixedPrecision("bf16-mixed", framework="jax").optimizer(tx) is tx
+
+
+def test_front_ends_without_the_wrappers_refuse_training_state_options():
+    pytest.importorskip("tensorflow")
+    with pytest.raises(pa.UnsupportedError, match="not for tensorflow: use 'bf16-true' there"):
+        pa.MixedPrecision("bf16-true:sr", framework="tensorflow")
+    assert pa.MixedPrecision("bf16-true:sr", framework="jax").policy.state.update == "sr"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .errors import PolyampError
+from .errors import PolyampError, UnsupportedError
 from .frameworks import canonical_framework, detect, front_end, idiom_owner, imported_frameworks
 from .native import from_native, to_native
 from .policy import Policy
@@ -151,6 +151,7 @@ class MixedPrecision:
         if self.recipe is not None:  # the GEMMs' operands quantized; the rest computes as the policy
             self._check_recipe()
         self.policy = policy_for(policy)
+        self._check_training_state()
         self.loss_scale = make_loss_scale(loss_scale, self.policy)
         for name, value in (("guard", guard), ("debug", debug)):
             if not isinstance(value, bool):
@@ -178,6 +179,18 @@ class MixedPrecision:
         why = None if self.framework is None else refusal(self.recipe, self.framework)
         if why is not None:
             raise PolyampError(why)
+
+    takes_training_state = False  # whether mp.optimizer(...) applies a policy's training-state options
+
+    def _check_training_state(self) -> None:
+        """UnsupportedError when the policy has training-state options this front end does not apply."""
+        if self.policy.state is None or self.framework is None or self.takes_training_state:
+            return
+        raise UnsupportedError(
+            f"policy {self.policy.name!r} updates 16-bit weights and stores moments through polyamp's "
+            f"optimizer wrappers, which exist for torch (LowPrecisionOptimizer) and JAX (low_precision) so "
+            f"far, not for {self.framework}: use {self.policy.base_name!r} there (docs/training-state.md)"
+        )
 
     def _check_mine(self, obj: Any, what: str) -> None:
         """PolyampError unless ``obj`` is an object of this front end's framework."""
@@ -380,6 +393,7 @@ class _Unbound(MixedPrecision):
         self.__class__ = cls
         if self.recipe is not None:
             self._check_recipe()
+        self._check_training_state()
         self._setup()
         self.state = state  # a front end that keeps the state in framework variables adopts it
         return self

@@ -76,6 +76,7 @@ class MixedPrecision(_Base):
     the loss-scale state passed in and out of the jitted step."""
 
     framework = "jax"
+    takes_training_state = True
 
     def autocast(self, fn=None, *, enabled: bool = True, rules: AutocastRules | None = None):
         """``fn`` rewritten so its matmuls and convolutions run in the compute dtype (float32

@@ -27,6 +27,7 @@ class MixedPrecision(EagerMixedPrecision):
 
     framework = "torch"
     ops = TorchOps()
+    takes_training_state = True
 
     def _setup(self) -> None:
         super()._setup()
