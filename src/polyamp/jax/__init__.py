@@ -53,6 +53,7 @@ from .low_optim import low_precision
 from .nnx import update_if_finite
 from .recipe_state import RecipeState, keeps_state
 from .tree import all_finite, cast_tree, eval_shape, is_array, select_tree, split_static, step_if_finite
+from .weight_only import LowWeight, dequantize_weights, quantize_weights
 
 # the loss-scale state is a pytree here: the scale and the counters are leaves (next_scale, only
 # used by MXNet's one-step lag, is static)
@@ -339,5 +340,5 @@ def _probe(dtype: str, backend: str) -> None:
 
 
 __all__ = ["DEFAULT_RULES", "AutocastRules", "MixedPrecision", "RecipeState", "RecipeStepState", "all_finite",
-           "low_precision",
+           "LowWeight", "dequantize_weights", "low_precision", "quantize_weights",
            "cast_tree", "select_tree", "step_if_finite", "update_if_finite"]  # fmt: skip

@@ -143,3 +143,12 @@ def take(table, codes):
 def high16(v):
     """The top 16 bits of float32 ``v`` (sign, exponent, 7 fraction bits) as integers."""
     return jax.lax.bitcast_convert_type(v.astype("float32"), "uint32") >> 16
+
+
+def unpack4(codes):
+    """Two 4-bit codes per byte (low nibble first) -> one code per uint8, the last axis doubled."""
+    return jax.numpy.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+
+
+def moveaxis(v, src, dst):
+    return jax.numpy.moveaxis(v, src, dst)

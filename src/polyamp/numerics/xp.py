@@ -184,3 +184,8 @@ def take(table, codes):
 def high16(v):
     """The top 16 bits of float32 ``v`` (sign, exponent, 7 fraction bits) as integers."""
     return np.asarray(v, np.float32).view(np.uint32) >> 16
+
+
+def unpack4(codes):
+    """Two 4-bit codes per byte (low nibble first) -> one code per uint8, the last axis doubled."""
+    return np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)

@@ -19,6 +19,7 @@ from ..errors import PolyampError
 from ..recipes import recipe_spec
 from .low_optim import LowPrecisionOptimizer
 from .ops import TorchOps, default_device
+from .weight_only import LowWeightLinear, WeightOnlyRecord, quantize_weights
 
 
 class MixedPrecision(EagerMixedPrecision):
@@ -154,4 +155,5 @@ def given_or_made(policy: Any, kwargs: dict) -> MixedPrecision:
     return MixedPrecision(policy, framework="torch", **kwargs)
 
 
-__all__ = ["LowPrecisionOptimizer", "MixedPrecision", "TorchOps", "given_or_made"]
+__all__ = ["LowPrecisionOptimizer", "LowWeightLinear", "MixedPrecision", "TorchOps", "WeightOnlyRecord",
+           "given_or_made", "quantize_weights"]

@@ -286,6 +286,11 @@ def take(table, codes):
     return torch.from_numpy(table).to(codes.device)[codes.long()]
 
 
+def unpack4(codes):
+    """Two 4-bit codes per byte (low nibble first) -> one code per uint8, the last axis doubled."""
+    return torch.stack([codes & 15, codes >> 4], dim=-1).reshape(*codes.shape[:-1], -1)
+
+
 def high16(v):
     """The top 16 bits of float32 ``v`` (sign, exponent, 7 fraction bits) as integers."""
     return (v.float().contiguous().view(torch.int32) >> 16) & 0xFFFF
