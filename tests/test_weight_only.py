@@ -104,7 +104,8 @@ def test_torch_llama_stores_every_linear_low_and_exports(tmp_path, form):
 def test_torch_gpt2_records_its_conv1d_layers_as_kept():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=96, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))  # fmt: skip
+        vocab_size=96, n_positions=32, n_embd=32, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0))  # fmt: skip
     record = quantize_weights(model, "int8")
     assert set(record.quantized) == {"lm_head"}
     assert record.kept["transformer.h.0.attn.c_attn"] == "a Conv1D: weight-only forms cover nn.Linear"
@@ -126,7 +127,8 @@ def test_jax_flax_kernels_stored_low_and_decoded_under_jit(form):
     assert all("1-D" in why for why in record.kept.values()) and len(record.kept) == 2
     kernel = params["params"]["Dense_0"]["kernel"]
     stored = weight_forms.encode(np.asarray(kernel), form, axis=0)
-    want = weight_forms.decode(jax_xp, {k: jnp.asarray(v) for k, v in stored.items()}, form, kernel.shape, axis=0)
+    arrays = {k: jnp.asarray(v) for k, v in stored.items()}
+    want = weight_forms.decode(jax_xp, arrays, form, kernel.shape, axis=0)
     got = jax.jit(dequantize_weights)(low)["params"]["Dense_0"]["kernel"]
     assert np.array_equal(np.asarray(got), np.asarray(want))
     y = jax.jit(lambda low, x: model.apply(dequantize_weights(low), x))(low, x)
