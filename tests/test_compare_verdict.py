@@ -158,7 +158,8 @@ def test_memory_ratios_are_mixed_over_float32_by_kind():
     bf16 = find(rows, "torch", "digits", "bf16-mixed").memory
     assert bf16.saved == 28 * MiB and bf16.state == 256 * MiB
     assert bf16.ratios == {"activations": 0.5, "saved": 0.7, "state": 1.0, "workspace": None,
-                           "inference_weights": 0.5}  # fmt: skip
+                           "inference_weights": 0.5, "total": (256 + 28) / (256 + 40)}  # fmt: skip
+    assert bf16.total == (256 + 28) * MiB
     assert find(rows, "jax", "digits", "bf16-mixed").memory.ratios["activations"] is None  # no probe recorded
 
 
@@ -192,7 +193,8 @@ def test_report_opens_with_the_verdict_and_has_memory_and_inference_sections(tmp
     )
     memory = md.split("## Memory", 1)[1]
     assert (
-        "| torch | digits | bf16-mixed | 20 | 8 | 64 | 64 | 0 | 128 | n/a | 0.70x | 0.50x | 1.00x |" in memory
+        "| torch | digits | bf16-mixed | 20 | 8 | 64 | 64 | 0 | 128 | n/a | 284 | 0.96x | 0.70x | 0.50x | 1.00x |"
+        in memory
     )
     assert "- torch activations: saved_tensors_hooks" in memory
     inference = md.split("## Inference", 1)[1].split("## Memory")[0]
@@ -218,8 +220,9 @@ def test_every_plot_draws_memory_inference_and_roofline_data():
         memory = plots.memory_figure(rows)
         inference = plots.inference_figure(rows)
         roofline = plots.roofline_figure(rows)
-    assert len(memory.axes) == 2 and memory.axes[0].get_ylim()[0] == 0
-    labels = [t.get_text() for t in memory.axes[0].texts]
+    assert len(memory.axes) == 3 and memory.axes[0].get_ylim()[0] == 0  # total, saved, state
+    assert "0.96x" in [t.get_text() for t in memory.axes[0].texts]  # torch bf16: (256 + 28) / (256 + 40)
+    labels = [t.get_text() for t in memory.axes[1].texts]
     assert "0.70x" in labels and "n/a" in labels  # torch bf16 saved; jax bf16 has no probe
     assert inference.axes[0].get_yscale() == "log"
     assert {"2 ms", "1 ms 2.00x", "30 ms 0.067x"} <= {t.get_text() for t in inference.axes[0].texts}
@@ -229,8 +232,10 @@ def test_every_plot_draws_memory_inference_and_roofline_data():
 def test_the_half_the_memory_claim_is_stated_from_the_measured_ratios():
     sentences = verdicts.build(summarize(digits_cases())).sentences
     assert (
-        "Half the memory? Under bf16, the activations saved for backward are torch 0.50x of float32's (over "
-        "the workloads); with the low-precision weight copies saved beside them, 0.70x; parameters, "
+        "Half the memory? Under bf16, the whole training state (parameters, gradients, masters, optimizer "
+        "state and the activations saved for backward) is 0.96x of float32's; the activations saved for "
+        "backward are torch 0.50x of float32's (over the workloads); with the low-precision weight copies "
+        "saved beside them, 0.70x; parameters, "
         "gradients, float32 masters and optimizer state 1.00x." in sentences
     )
 

@@ -405,3 +405,30 @@ def test_front_ends_without_the_wrappers_refuse_training_state_options():
     with pytest.raises(pa.UnsupportedError, match="not for tensorflow: use 'bf16-true' there"):
         pa.MixedPrecision("bf16-true:sr", framework="tensorflow")
     assert pa.MixedPrecision("bf16-true:sr", framework="jax").policy.state.update == "sr"
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_compare_trainers_take_the_policies_and_count_their_whole_state(framework):
+    """compare's trainers under training-state policies: no master copy, the stored moments counted, the
+    total (state + saved for backward) against float32's; and --policies keeps a policy's options."""
+    import importlib
+
+    from polyamp.compare.cli import _split_policies
+    from polyamp.compare.rows import MemoryUse
+    from polyamp.compare.workloads import get_workload
+
+    assert _split_policies("float32,bf16-true:sr,states=int8,bf16-true:kahan,bf16-mixed") == [
+        "float32", "bf16-true:sr,states=int8", "bf16-true:kahan", "bf16-mixed"]  # fmt: skip
+    module = importlib.import_module(f"polyamp.compare.{framework}")
+    totals = {}
+    for policy in ("float32", "bf16-true:sr", "bf16-true:sr,states=int8"):
+        trainer = module.Trainer(get_workload("mlp", quick=True), policy)
+        losses = [trainer.step(i) for i in range(3)]
+        assert all(np.isfinite(losses)) and trainer.last.stepped
+        memory = trainer.memory()
+        assert memory["master"] == 0, memory["how"]["master"]
+        totals[policy] = MemoryUse(**{k: v for k, v in memory.items() if k != "how"}).total
+        if policy.endswith("int8"):
+            n = sum(w.size for w in get_workload("mlp", quick=True).weights.values())
+            assert memory["optimizer"] < 2.2 * n + 64  # two 8-bit moments, block scales, step counters
+    assert totals["bf16-true:sr,states=int8"] < totals["bf16-true:sr"] < 0.6 * totals["float32"], totals

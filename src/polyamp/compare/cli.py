@@ -9,11 +9,25 @@ import time
 from datetime import datetime, timezone
 
 from ..errors import PolyampError
+from ..training_state import UPDATES
 from . import interpreters, runner
 
 
 def _split(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+def _split_policies(value: str | None) -> list[str] | None:
+    """``--policies``: comma-separated, where a policy's own options continue it
+    (``float32,bf16-true:sr,states=int8`` is two policies)."""
+    out: list[str] = []
+    for part in _split(value) or []:
+        key = part.partition("=")[0].strip().lower()
+        if out and ":" in out[-1] and (key in ("states", "update") or part.lower() in UPDATES):
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out or None
 
 
 def compare(args) -> int:
@@ -32,7 +46,7 @@ def compare(args) -> int:
         if getattr(args, option, None) is not None:
             raise PolyampError(f"--{option.replace('_', '-')} applies to --converge only; got it without")
     runner.check_options(args.steps, args.budget, args.timeout)
-    cases = runner.plan(_split(args.frameworks), _split(args.workloads), _split(args.policies))
+    cases = runner.plan(_split(args.frameworks), _split(args.workloads), _split_policies(args.policies))
     started = time.perf_counter()
     records = _run_with_progress(cases, args)
     from .report import terminal_table, write_report
@@ -108,8 +122,8 @@ def converge(args) -> int:
 
     seeds = DEFAULT_SEEDS if args.seeds is None else args.seeds
     budget = DEFAULT_BUDGET_S if args.converge_budget is None else args.converge_budget
-    plan = make_plan(_split(args.frameworks), _split(args.workloads), _split(args.policies), seeds, budget,
-                     args.quick, args.steps)  # fmt: skip
+    plan = make_plan(_split(args.frameworks), _split(args.workloads), _split_policies(args.policies), seeds,
+                     budget, args.quick, args.steps)  # fmt: skip
     started = time.perf_counter()
     jobs, threads = slots(plan)
     runs = _converge_with_progress(plan, jobs)

@@ -135,8 +135,8 @@ class Trainer(TrainerBase):
     def __init__(self, wl: Workload, policy: str):
         self.wl = wl
         self.mp = MixedPrecision(policy, framework="jax")
-        self.params = {name: jnp.asarray(w) for name, w in wl.weights.items()}
-        self.opt = optax.adam(wl.lr)
+        self.params = {name: jnp.asarray(w, self.mp.policy.param_dtype) for name, w in wl.weights.items()}
+        self.opt = self.mp.optimizer(optax.adam(wl.lr))  # low_precision's under a training-state policy
         self.opt_state = self.opt.init(self.params)
         self._loss = self.mp.autocast(functools.partial(loss_fn, wl))
         self.state = self.mp.init(self._loss, self.params, *inputs(wl, *wl.batch_at(0)))

@@ -196,7 +196,8 @@ def inference_figure(rows: list[Row], smoke: bool = False):
 
 
 def memory_figure(rows: list[Row]):
-    """Two rows of panels: bytes saved for backward, then model state, each over float32's."""
+    """Three rows of panels: the whole training state, bytes saved for backward, then model state, each
+    over float32's."""
     mixed = [r for r in rows if not r.is_baseline and r.ok]
     if not any(finite(r.memory.ratios.get("saved")) or finite(r.memory.ratios.get("state")) for r in mixed):
         why = "No memory ratio was measured\n(no float32 baseline, or no probe)."
@@ -205,9 +206,10 @@ def memory_figure(rows: list[Row]):
                   value=lambda r, k=kind: r.memory.ratios.get(k),
                   label=lambda r, k=kind: fmt.times(r.memory.ratios.get(k)),
                   missing=lambda r: "n/a", lines=((1.0, "float32"), (0.5, "half")), base=0.0)
-             for kind, what in (("saved", "saved for backward"), ("state", "params+grads+masters+optimizer"))]
+             for kind, what in (("total", "whole training state"), ("saved", "saved for backward"),
+                                ("state", "params+grads+masters+optimizer"))]  # fmt: skip
     return bar_chart(mixed, *specs, title="Memory that precision changes, mixed / float32 "
-                     "(top: saved for backward; bottom: model state; dashed: half)")
+                     "(top: the total; then saved for backward; bottom: model state; dashed: half)")
 
 
 def roofline_figure(rows: list[Row]):

@@ -120,6 +120,10 @@ class TrainerBase:
         dtypes = {dtype for _, dtype in params}
         if dtypes == {"float32"}:
             master, master_how = 0, "0: the parameters are float32, the master copy itself"
+        elif dtypes == {self.mp.policy.param_dtype}:
+            master, master_how = 0, ("0: a -true policy's optimizer steps the stored parameters (with "
+                                     "training-state options, float32 scratch of one parameter at a time; "
+                                     "Kahan buffers are optimizer state)")  # fmt: skip
         else:
             master, master_how = None, f"parameters are {', '.join(sorted(dtypes))}: no master copy probe"
         optimizer = self._optimizer_bytes()

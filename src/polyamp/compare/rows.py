@@ -56,7 +56,8 @@ class MemoryUse:
     """Bytes a case holds, by kind (``None``: the framework exposes no such figure, ``how`` says why),
     and each kind's ratio over float32's. ``saved`` = activations + weight copies (all a training
     forward keeps for backward); ``state`` = parameters + gradients + master copies + optimizer
-    state. ``peak_rss_mb`` is the process's peak, shared by every policy timed in that process."""
+    state; ``total`` = state + saved. ``peak_rss_mb`` is the process's peak, shared by every policy
+    timed in that process."""
 
     parameters: int | None = None
     gradients: int | None = None
@@ -71,7 +72,7 @@ class MemoryUse:
     error: str | None = None
     ratios: dict[str, float | None] = field(default_factory=dict)
 
-    RATIO_KINDS = ("activations", "saved", "state", "workspace", "inference_weights")
+    RATIO_KINDS = ("activations", "saved", "state", "total", "workspace", "inference_weights")
 
     @property
     def saved(self) -> int | None:
@@ -83,6 +84,12 @@ class MemoryUse:
     def state(self) -> int | None:
         parts = (self.parameters, self.gradients, self.master, self.optimizer)
         return None if any(p is None for p in parts) else sum(parts)
+
+    @property
+    def total(self) -> int | None:
+        """The whole training state: ``state`` + ``saved`` (what one step holds besides scratch)."""
+        state, saved = self.state, self.saved
+        return None if state is None or saved is None else state + saved
 
     def value(self, kind: str) -> int | None:
         return getattr(self, kind)

@@ -229,11 +229,13 @@ def memory_table(rows: list[Row]) -> list[str]:
     if not measured:
         return []
     header = ["framework", "workload", "policy"] + [name + " MiB" for _, name in _MEMORY_KINDS]
-    header += ["saved vs fp32", "activations vs fp32", "state vs fp32", "process peak MB (shared)"]
+    header += ["total MiB", "total vs fp32", "saved vs fp32", "activations vs fp32", "state vs fp32",
+               "process peak MB (shared)"]  # fmt: skip
     body = []
     for r in measured:
         m = r.memory
-        ratios = [fmt.times(m.ratios.get(k)) for k in ("saved", "activations", "state")]
+        ratios = [fmt.mib(m.total)] + [fmt.times(m.ratios.get(k)) for k in ("total", "saved", "activations",
+                                                                              "state")]  # fmt: skip
         body.append([r.framework, r.workload, r.policy] + [fmt.mib(m.value(k)) for k, _ in _MEMORY_KINDS]
                     + ratios + [fmt.number(m.peak_rss_mb, ".0f")])  # fmt: skip
     out = _md_table(header, "lll" + "r" * (len(header) - 3), body)
@@ -247,7 +249,8 @@ def memory_table(rows: list[Row]) -> list[str]:
             if (fw, kind) in hows:
                 notes.append(f"- {fw} {kind}: {hows[(fw, kind)]}")
     notes += ["- *saved* = activations + weight copies (all that a training forward keeps for backward); "
-              "*state* = parameters + gradients + master copies + optimizer state; the process peak is "
+              "*state* = parameters + gradients + master copies + optimizer state; *total* = state + saved, "
+              "the whole training state; the process peak is "
               "the peak resident set of the process the case ran in, shared by the policies timed there."]
     errors = [f"- {r.label}: memory probe failed: {r.memory.error}" for r in measured if r.memory.error]
     return out + notes + errors + [""]

@@ -119,9 +119,10 @@ class Trainer(TrainerBase):
         torch.manual_seed(wl.seed)
         self.wl = wl
         self.model = _NETWORKS[wl.architecture](wl)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=wl.lr, fused=True)
         self.mp = MixedPrecision(policy, framework="torch", device="cpu")
         self.mp.watch(self.model)
+        # a LowPrecisionOptimizer under a training-state policy (bf16-true:sr, states=int8, ...)
+        self.opt = self.mp.optimizer(torch.optim.Adam(self.model.parameters(), lr=wl.lr, fused=True))
 
     def _loss(self, x, y):
         with self.mp.autocast():
@@ -164,6 +165,8 @@ class Trainer(TrainerBase):
         return [_entry(p if p.grad is None else p.grad) for p in self.model.parameters()]
 
     def _optimizer_bytes(self):
+        if hasattr(self.opt, "state_bytes"):  # stored codes and Kahan buffers as well as plain tensors
+            return sum(self.opt.state_bytes().values()) if self.opt.steps else None
         tensors = [t for state in self.opt.state.values() for t in state.values() if torch.is_tensor(t)]
         return sum(_entry(t)[0] for t in tensors) if tensors else None
 

@@ -236,9 +236,13 @@ def _memory_sentences(rows: list[Row]) -> list[str]:
                 parts.append(f"{fw} {_span(acts)}")
         saved = [r.memory.ratios["saved"] for r in mine if finite(r.memory.ratios.get("saved"))]
         states = [r.memory.ratios["state"] for r in mine if finite(r.memory.ratios.get("state"))]
+        totals = [r.memory.ratios["total"] for r in mine if finite(r.memory.ratios.get("total"))]
         if parts:
-            line = (f"Half the memory? Under {fmt.short(policy)}, the activations saved for backward are "
-                    f"{', '.join(parts)} of float32's (over the workloads)")  # fmt: skip
+            whole = (f"the whole training state (parameters, gradients, masters, optimizer state and the "
+                     f"activations saved for backward) is {_span(totals)} of float32's; "
+                     if totals else "")  # fmt: skip
+            line = (f"Half the memory? Under {fmt.short(policy)}, {whole}the activations saved for backward "
+                    f"are {', '.join(parts)} of float32's (over the workloads)")  # fmt: skip
             if saved:
                 line += f"; with the low-precision weight copies saved beside them, {_span(saved)}"
             if states:
