@@ -136,3 +136,24 @@ def test_jax_flax_kernels_stored_low_and_decoded_under_jit(form):
     err = float(jnp.abs(y - ref).max() / jnp.abs(ref).max())
     assert 0 < err < TOLERANCE[form]
     assert record.bytes_after < (0.3 if form == "int8" else 0.2) * record.bytes_before
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_compare_trainers_infer_with_a_weights_option(framework):
+    """``bf16-mixed:weights=int8`` trains as bf16-mixed and infers on int8 weight-only forms: compare's
+    inference rows read those bytes and outputs."""
+    import importlib
+
+    from polyamp.compare.workloads import get_workload
+
+    module = importlib.import_module(f"polyamp.compare.{framework}")
+    wl = get_workload("mlp", quick=True)
+    plain, low = module.Trainer(wl, "bf16-mixed"), module.Trainer(wl, "bf16-mixed:weights=int8")
+    for i in range(3):
+        assert plain.step(i) == low.step(i)  # the option changes inference only
+    x = wl.batch_at(0)[0]
+    ref, got = plain.infer(x), low.infer(x)
+    assert 0 < np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+    assert "int8" in low.inference_form
+    weights, base = low.memory()["inference_weights"], module.Trainer(wl, "float32").memory()["inference_weights"]
+    assert weights < 0.3 * base, (weights, base)

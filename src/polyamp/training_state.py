@@ -8,11 +8,14 @@ A policy may carry options after a colon (``Policy.parse``):
 ``bf16-true:nearest``                  bf16 weights, updates rounded to nearest (plain bf16-true)
 ``bf16-mixed:states=int8``             fp32 weights, optimizer moments in 8-bit block-wise codes
 ``bf16-true:sr,states=fp8``            both; ``update=sr`` is the long spelling of ``sr``
+``bf16-mixed:weights=int8``            trains as bf16-mixed; inference reads int8 weight-only forms
 =====================================  ==========================================================
 
 ``states`` is one of ``numerics.state_codes.FORMS`` (``fp32``, ``bf16``, ``fp8``, ``int8``); without it the
-moments are kept as the framework's optimizer makes them (the parameters' dtype). Options ``sr`` and
-``kahan`` need 16-bit parameters (a ``-true`` policy), as there is nothing to round on float32 weights.
+moments are kept as the framework's optimizer makes them (the parameters' dtype). ``weights`` is one of
+``weight_forms.FORMS``: the form inference stores the trained weights in (``quantize_weights``; compare's
+inference rows). Options ``sr`` and ``kahan`` need 16-bit parameters (a ``-true`` policy), as there is
+nothing to round on float32 weights.
 
 The step, whatever the framework (``polyamp.torch.LowPrecisionOptimizer``, ``polyamp.jax.low_precision``):
 the framework's own optimizer updates float32 copies of one parameter (``w + c`` under Kahan), its gradient
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import weight_forms
 from .errors import PolyampError, invalid
 from .numerics import state_codes
 
@@ -46,16 +50,23 @@ class StateOptions:
 
     update: str = "nearest"
     states: str | None = None
+    weights: str | None = None  # the weight-only inference form
+
+    @property
+    def trains(self) -> bool:
+        """Whether training goes through polyamp's optimizer wrappers (an update rule or a state form)."""
+        return self.update != "nearest" or self.states is not None
 
     @property
     def spelling(self) -> str:
         parts = [self.update] if self.update != "nearest" else []
         parts += [f"states={self.states}"] if self.states else []
+        parts += [f"weights={self.weights}"] if self.weights else []
         return ",".join(parts) or "nearest"
 
     @classmethod
     def parse(cls, text: str, policy_name: str) -> StateOptions:
-        update, states = "nearest", None
+        update, states, weights = "nearest", None, None
         for part in (p.strip().lower() for p in text.split(",")):
             key, eq, value = (s.strip() for s in part.partition("="))
             if not eq and key in UPDATES:
@@ -64,12 +75,15 @@ class StateOptions:
                 update = value
             elif key == "states":
                 states = state_codes.check_form(value)
+            elif key == "weights":
+                weights = weight_forms.check_form(value)
             else:
                 raise PolyampError(
                     f"{part!r} in policy {policy_name!r} is not a training-state option; accepted: "
-                    f"{', '.join(UPDATES)} (or update=<one>), states={'|'.join(state_codes.FORMS)}"
+                    f"{', '.join(UPDATES)} (or update=<one>), states={'|'.join(state_codes.FORMS)}, "
+                    f"weights={'|'.join(weight_forms.FORMS)}"
                 )
-        return cls(update, states)
+        return cls(update, states, weights)
 
     def check(self, param_dtype: str, policy_name: str) -> None:
         """An ``sr`` / ``kahan`` update needs 16-bit weights."""

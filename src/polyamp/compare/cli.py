@@ -23,7 +23,7 @@ def _split_policies(value: str | None) -> list[str] | None:
     out: list[str] = []
     for part in _split(value) or []:
         key = part.partition("=")[0].strip().lower()
-        if out and ":" in out[-1] and (key in ("states", "update") or part.lower() in UPDATES):
+        if out and ":" in out[-1] and (key in ("states", "update", "weights") or part.lower() in UPDATES):
             out[-1] += "," + part
         else:
             out.append(part)

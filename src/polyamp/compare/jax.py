@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..jax import cast_tree, step_if_finite
+from ..jax import cast_tree, dequantize_weights, step_if_finite
 from ..jax.recipe import without_state
 from ..jax.recipe_state import keeps_state
 from ..mixed_precision import MixedPrecision
@@ -159,6 +159,8 @@ class Trainer(TrainerBase):
         example = (self.params, self.opt_state, self.state, *inputs(wl, *wl.batch_at(0)))
         self._step = jax.jit(train_step, donate_argnums=(0, 1, 2)).lower(*example).compile()
         self._forward = jax.jit(self.mp.autocast(functools.partial(forward, wl)))
+        self._forward_low = jax.jit(lambda low, x: self.mp.autocast(functools.partial(forward, wl))(
+            dequantize_weights(low), x))  # fmt: skip
         self._low = self.mp.policy.compute_dtype if self.mp.policy.compute_dtype != "float32" else None
         self._cast = (None, None)  # (params the cast was made from, their cast to the compute dtype)
 
@@ -181,7 +183,15 @@ class Trainer(TrainerBase):
         return np.asarray(self._forward(self.params, _array(x)), np.float32)
 
     def _inference_params(self) -> dict:
-        """The parameters cast once to the compute dtype (jmp's idiom), recast after each step."""
+        """The parameters cast once to the compute dtype (jmp's idiom), recast after each step; under a
+        ``weights=`` option, stored in that weight-only form (decoded in the jitted forward)."""
+        form = self.mp.policy.state.weights if self.mp.policy.state is not None else None
+        if form is not None:
+            if self._cast[0] is not self.params:
+                from ..jax.weight_only import quantize_weights
+
+                self._cast = (self.params, quantize_weights(self.params, form)[0])
+            return self._cast[1]
         if self._low is None:
             return self.params
         if self._cast[0] is not self.params:
@@ -190,13 +200,20 @@ class Trainer(TrainerBase):
 
     @property
     def inference_form(self) -> str:
+        form = self.mp.policy.state.weights if self.mp.policy.state is not None else None
+        if form is not None:
+            return (f"jitted autocast forward on kernels stored {form} (polyamp.jax.quantize_weights; 1-D "
+                    "leaves kept), decoded inside the jit")  # fmt: skip
         if self._low is None:
             return "jitted forward on the float32 weights"
         return f"jitted autocast forward on the weights cast once to {self._low} (jmp's idiom)"
 
     def infer(self, x: np.ndarray) -> np.ndarray:
         """The autocast network on weights stored in the compute dtype (float32 policy: as trained)."""
-        return np.asarray(self._forward(self._inference_params(), _array(x)), np.float32)
+        params = self._inference_params()
+        if self.mp.policy.state is not None and self.mp.policy.state.weights is not None:
+            return np.asarray(self._forward_low(params, _array(x)), np.float32)
+        return np.asarray(self._forward(params, _array(x)), np.float32)
 
     # -- memory probes ---------------------------------------------------------------------------
     def _parameters(self):

@@ -8,6 +8,8 @@ workload's, on ``forward``'s outputs.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from torch import nn
@@ -123,6 +125,8 @@ class Trainer(TrainerBase):
         self.mp.watch(self.model)
         # a LowPrecisionOptimizer under a training-state policy (bf16-true:sr, states=int8, ...)
         self.opt = self.mp.optimizer(torch.optim.Adam(self.model.parameters(), lr=wl.lr, fused=True))
+        self._steps = 0
+        self._weight_only = None  # (steps, model with weight-only Linear layers, its record)
 
     def _loss(self, x, y):
         with self.mp.autocast():
@@ -134,6 +138,7 @@ class Trainer(TrainerBase):
         loss = self._loss(x, y)
         self.mp.backward(loss)
         self.last = self.mp.step(self.opt)
+        self._steps += 1
         return float(loss.detach())
 
     def doctor_inputs(self, i: int = 0) -> tuple:
@@ -145,8 +150,26 @@ class Trainer(TrainerBase):
         with torch.no_grad(), self.mp.autocast():
             return self.model(torch.from_numpy(x)).float().numpy()
 
+    def _low_model(self):
+        """The trained model with its ``nn.Linear`` weights in the policy's ``weights=`` form, or None."""
+        form = self.mp.policy.state.weights if self.mp.policy.state is not None else None
+        if form is None:
+            return None
+        if self._weight_only is None or self._weight_only[0] != self._steps:
+            from ..torch.weight_only import quantize_weights
+
+            model = copy.deepcopy(self.model)
+            self._weight_only = (self._steps, model, quantize_weights(model, form))
+        return self._weight_only[1]
+
     @property
     def inference_form(self) -> str:
+        if self._low_model() is not None:
+            _, _, record = self._weight_only
+            return (f"torch.inference_mode under autocast({self.mp.policy.compute_dtype}): "
+                    f"{len(record.quantized)} nn.Linear weights stored {record.form} "
+                    f"(polyamp.torch.quantize_weights, {len(record.kept)} kept), decoded per call"
+                    )  # fmt: skip
         dtype = self.mp.policy.compute_dtype
         if dtype == "float32":
             return "torch.inference_mode, float32"
@@ -154,8 +177,10 @@ class Trainer(TrainerBase):
 
     def infer(self, x: np.ndarray) -> np.ndarray:
         """``torch.inference_mode`` under the policy's autocast (float32 weights, cast per op)."""
+        low = self._low_model()
+        model = self.model if low is None else low
         with torch.inference_mode(), self.mp.autocast():
-            return self.model(torch.from_numpy(x)).float().numpy()
+            return model(torch.from_numpy(x)).float().numpy()
 
     # -- memory probes ---------------------------------------------------------------------------
     def _parameters(self):
@@ -163,6 +188,13 @@ class Trainer(TrainerBase):
 
     def _gradients(self):
         return [_entry(p if p.grad is None else p.grad) for p in self.model.parameters()]
+
+    def _inference_weights(self):
+        model = self._low_model()
+        if model is None:
+            return self._parameters()
+        return [_entry(t) for t in model.parameters()] + [_entry(b) for n, b in model.named_buffers()
+                                                          if ".w_" in f".{n}"]  # fmt: skip
 
     def _optimizer_bytes(self):
         if hasattr(self.opt, "state_bytes"):  # stored codes and Kahan buffers as well as plain tensors

@@ -123,7 +123,7 @@ class MixedPrecision(_Base):
         ``polyamp.jax.low_precision(tx, ...)`` for ``bf16-true:sr`` / ``:kahan`` / ``states=...``, else
         ``tx``."""
         options = self.policy.state
-        if options is None:
+        if options is None or not options.trains:
             return tx
         from .low_optim import low_precision
 

@@ -117,14 +117,14 @@ class MixedPrecision(EagerMixedPrecision):
         """``optimizer`` as the policy's training-state options want it: a ``LowPrecisionOptimizer``
         (``low_optim.py``) for ``bf16-true:sr`` / ``:kahan`` / ``states=...``, else ``optimizer`` itself."""
         options = self.policy.state
-        if options is None:
+        if options is None or not options.trains:
             return optimizer
         from .low_optim import LowPrecisionOptimizer
 
         return LowPrecisionOptimizer(optimizer, options.update, options.states, seed)
 
     def step(self, optimizer: Any, batch_size: int | None = None, clip_grad_norm: float | None = None):
-        if self.policy.state is not None:
+        if self.policy.state is not None and self.policy.state.trains:
             from .low_optim import LowPrecisionOptimizer
 
             plain = [o for o in (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
