@@ -155,5 +155,6 @@ def test_compare_trainers_infer_with_a_weights_option(framework):
     ref, got = plain.infer(x), low.infer(x)
     assert 0 < np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
     assert "int8" in low.inference_form
-    weights, base = low.memory()["inference_weights"], module.Trainer(wl, "float32").memory()["inference_weights"]
+    weights = low.memory()["inference_weights"]
+    base = module.Trainer(wl, "float32").memory()["inference_weights"]
     assert weights < 0.3 * base, (weights, base)
