@@ -3,6 +3,7 @@ bf16-true loses, side by side in one process (torch or JAX).
 
     python benchmarks/training_state.py --framework torch [--dims 1024,4096,4096,1024] [--repeats 5]
     python benchmarks/training_state.py --framework jax
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296 python ... (heap-mode malloc)
 
 The model is compare's ``mlp`` shape (an MLP, ReLU, batch 256, Adam/AdamW lr 1e-4 on a fixed linear
 teacher). Bytes: parameters + gradients + float32 masters + optimizer state as stored (moments, Kahan
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--framework", choices=("torch", "jax"), default="torch")
     ap.add_argument("--dims", default="1024,4096,4096,1024")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=200, help="steps of the loss comparison")
+    ap.add_argument("--steps", type=int, default=200, help="steps of the loss comparison (0: none)")
     ap.add_argument("--loss-dims", default="64,256,256,16", help="the (smaller) MLP of the loss comparison")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -143,6 +144,8 @@ def main(argv=None) -> int:
         ratio = statistics.median(a / b for a, b in zip(rounds, base_rounds))
         mb, share = c.bytes() / 2**20, c.bytes() / base_bytes
         print(f"{p:28s} {mb:9.1f} {share:8.3f} {median * 1e3:8.1f} {ratio:14.2f}")
+    if args.steps == 0:
+        return 0
     loss_dims = tuple(int(d) for d in args.loss_dims.split(","))
     print(f"\n# loss after {args.steps} steps, MLP {loss_dims}, lr {args.lr}, seeds 0..{args.seeds - 1}")
     for p in POLICIES:
