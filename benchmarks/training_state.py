@@ -3,7 +3,7 @@ bf16-true loses, side by side in one process (torch or JAX).
 
     python benchmarks/training_state.py --framework torch [--dims 1024,4096,4096,1024] [--repeats 5]
     python benchmarks/training_state.py --framework jax
-    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296 python ... (heap-mode malloc)
+    GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967296 python ...  # heap malloc
 
 The model is compare's ``mlp`` shape (an MLP, ReLU, batch 256, Adam/AdamW lr 1e-4 on a fixed linear
 teacher). Bytes: parameters + gradients + float32 masters + optimizer state as stored (moments, Kahan
