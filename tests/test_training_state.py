@@ -89,6 +89,13 @@ def test_int8_codes_are_the_nearest_table_entry_of_each_block():
     assert np.array_equal(stored["scale"], amax)
     assert np.array_equal(_round_trip(a, "int8")[256:512], np.zeros(256, np.float32))
     assert table.size == 256 and np.all(np.diff(table) > 0) and table[0] == -table[-2] and table[-1] == 1
+    for signed in (True, False):  # the look-up's claim at every midpoint and its float32 neighbours
+        t = state_codes.dynamic_map(signed)
+        mids = (t[:-1] + t[1:]) / np.float32(2)
+        v = np.concatenate([mids, np.nextafter(mids, np.float32(2)), np.nextafter(mids, np.float32(-2)), t])
+        base, mid = state_codes._nearest_lookup(signed)
+        k = v.view(np.uint32) >> 16
+        assert np.array_equal(base[k] + (v > mid[k]), np.searchsorted(mids, v, side="left"))
 
 
 def test_fp8_codes_are_e4m3_nearest_even_of_each_block_at_amax_over_448():

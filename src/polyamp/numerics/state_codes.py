@@ -96,9 +96,11 @@ def encode(ops, m32, form: str, signed: bool = True) -> dict:
 def _nearest_lookup(signed: bool) -> tuple[np.ndarray, np.ndarray]:
     """The nearest table entry of a float32 ``v`` in two look-ups by its top 16 bits ``k`` (sign, exponent,
     7 fraction bits): ``base[k] + (v > mid[k])`` is the number of midpoints below ``v`` (ties go to the
-    lower entry). The values sharing ``k`` span one bfloat16 ulp, and adjacent entries of the table are
-    further apart than that relatively (>= 1.4 % against 2^-8), so at most one midpoint ``mid[k]`` lies in
-    that span and ``base[k]`` counts those below it."""
+    lower entry). The values sharing ``k`` span one bfloat16 ulp (2^-8 relative at most), and adjacent
+    midpoints are further apart than that (0.7 % relative at least: the unsigned table near 1), so at most
+    one midpoint ``mid[k]`` lies in that span and ``base[k]`` counts those below it
+    (``test_int8_codes_are_the_nearest_table_entry_of_each_block`` checks every midpoint and its
+    neighbours)."""
     table = dynamic_map(signed)
     mids = ((table[:-1] + table[1:]) / np.float32(2)).astype(np.float32)
     k = np.arange(1 << 16, dtype=np.uint32)
