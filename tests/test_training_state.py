@@ -251,42 +251,50 @@ def test_torch_compiled_cpu_paths_equal_the_ops_route():
 
 
 CHECKPOINT = textwrap.dedent("""
-    import sys, torch, polyamp as pa
+    import sys, torch
     from polyamp.torch import LowPrecisionOptimizer
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).bfloat16()
-    make = lambda: LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                         update=sys.argv[2], states=sys.argv[3], seed=7)
-    opt = make()
-    def train(n):
-        for i in range(n):
-            g = torch.Generator().manual_seed(100 + opt.steps)
-            x = torch.randn(8, 16, generator=g).bfloat16()
+
+    def build(update, states):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).bfloat16()
+        opt = LowPrecisionOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), update=update,
+                                    states=states, seed=7)
+        return model, opt
+
+    def train(model, opt, n):
+        for _ in range(n):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + opt.steps)).bfloat16()
             model(x).float().pow(2).mean().backward()
             opt.step(); opt.zero_grad()
-    if sys.argv[1] == "save":
-        train(3)
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, sys.argv[4])
-        train(3)
-        torch.save(model.state_dict(), sys.argv[4] + ".after")
-    else:
-        ck = torch.load(sys.argv[4])
-        model.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"])
-        train(3)
-        after = torch.load(sys.argv[4] + ".after")
-        print(all(torch.equal(v, after[k]) for k, v in model.state_dict().items()))
+
+    if __name__ == "__main__":  # load each checkpoint named on the command line, train on, compare
+        for path in sys.argv[1:]:
+            ck = torch.load(path)
+            model, opt = build(ck["update"], ck["states"])
+            model.load_state_dict(ck["model"]); opt.load_state_dict(ck["opt"])
+            train(model, opt, 3)
+            print(all(torch.equal(v, ck["after"][k]) for k, v in model.state_dict().items()))
 """)
 
 
-@pytest.mark.parametrize("update, states", [("sr", "int8"), ("kahan", "fp8")])
-def test_torch_checkpoint_resumes_bit_identically_in_a_new_process(tmp_path, update, states):
+def test_torch_checkpoint_resumes_bit_identically_in_a_new_process(tmp_path):
+    """(sr, int8) and (kahan, fp8): 3 steps, a checkpoint, 3 more steps here; a new process loads the
+    checkpoint and its 3 steps give the same bits."""
     script = tmp_path / "ck.py"
     script.write_text(CHECKPOINT)
-    path = str(tmp_path / "ck.pt")
-    subprocess.run([sys.executable, str(script), "save", update, states, path], check=True)
-    out = subprocess.run([sys.executable, str(script), "load", update, states, path], check=True,
-                         capture_output=True, text=True)  # fmt: skip
-    assert out.stdout.strip() == "True", out.stdout + out.stderr
+    space: dict = {}
+    exec(compile(CHECKPOINT, str(script), "exec"), space)
+    paths = []
+    for update, states in (("sr", "int8"), ("kahan", "fp8")):
+        model, opt = space["build"](update, states)
+        space["train"](model, opt, 3)
+        ck = {"update": update, "states": states, "model": copy.deepcopy(model.state_dict()),
+              "opt": copy.deepcopy(opt.state_dict())}  # fmt: skip
+        space["train"](model, opt, 3)
+        paths.append(str(tmp_path / f"{update}.pt"))
+        torch.save({**ck, "after": model.state_dict()}, paths[-1])
+    out = subprocess.run([sys.executable, str(script), *paths], check=True, capture_output=True, text=True)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
 
 
 def test_torch_bad_input_is_one_clear_error_each():
