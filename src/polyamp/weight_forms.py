@@ -23,6 +23,7 @@ A channel of zeros has ``s = 1``. The 4-bit forms decode to exactly ``polyamp.qu
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -33,6 +34,18 @@ from .numerics import encode_blocks
 
 FORMS = ("bf16", "fp16", "int8", "fp8", "nvfp4", "mxfp4")
 _SCALE_FORMAT = {"nvfp4": "e4m3fn", "mxfp4": "e8m0fnu"}
+
+
+@dataclass
+class WeightOnlyRecord:
+    """What a front end's ``quantize_weights`` did: layer (or tree path) -> form, layer -> why it was kept,
+    and the weights' bytes before and after."""
+
+    form: str
+    quantized: dict[str, str] = field(default_factory=dict)
+    kept: dict[str, str] = field(default_factory=dict)
+    bytes_before: int = 0
+    bytes_after: int = 0
 
 
 def check_form(form: object) -> str:

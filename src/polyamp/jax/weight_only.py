@@ -12,14 +12,13 @@ norm scales) stay as they are. The stored tree is the export: ``jax.tree.leaves`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import weight_forms
 from ..errors import PolyampError
+from ..weight_forms import WeightOnlyRecord
 from . import xp
 
 
@@ -44,17 +43,6 @@ class LowWeight:
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.arrays.values())
-
-
-@dataclass
-class WeightOnlyRecord:
-    """What ``quantize_weights`` did: path -> form, path -> why kept, and the leaves' bytes."""
-
-    form: str
-    quantized: dict[str, str] = field(default_factory=dict)
-    kept: dict[str, str] = field(default_factory=dict)
-    bytes_before: int = 0
-    bytes_after: int = 0
 
 
 def quantize_weights(params, form: str, keep=(), axis: int = -2):

@@ -13,14 +13,13 @@ buffers' shapes), then ``load_state_dict``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import ml_dtypes
 import numpy as np
 import torch
 
 from .. import weight_forms
 from ..errors import PolyampError
+from ..weight_forms import WeightOnlyRecord
 from . import xp
 
 
@@ -56,17 +55,6 @@ class LowWeightLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, form={self.form!r}"
-
-
-@dataclass
-class WeightOnlyRecord:
-    """What ``quantize_weights`` did: layer -> form, layer -> why kept, and the weights' bytes."""
-
-    form: str
-    quantized: dict[str, str] = field(default_factory=dict)
-    kept: dict[str, str] = field(default_factory=dict)
-    bytes_before: int = 0
-    bytes_after: int = 0
 
 
 def quantize_weights(model: torch.nn.Module, form: str, keep=()) -> WeightOnlyRecord:
